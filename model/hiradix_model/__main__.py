@@ -1,0 +1,5 @@
+import sys
+
+from hiradix_model.walk import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""Reference choices: one legal resolution of each nondeterministic choice.
+
+The model *checks* choices; these functions *make* them, breaking ties with a caller's
+``random.Random`` so that tests and the model walk explore different legal outcomes.
+They work on a private Draft and apply each step with the model's own step functions,
+so a choice built here is, by construction, one the model accepts.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hiradix_model.keys import Key, sort_key
+from hiradix_model.ops._draft import Draft, add_lock
+from hiradix_model.ops._victims import (
+    device_leaves,
+    drop_device_copy,
+    evict_host_page,
+    host_leaves,
+)
+from hiradix_model.ops.backup import Backup, apply_backup, backup_run, eligible
+from hiradix_model.ops.evict import Victim, _evict_write_back
+from hiradix_model.ops.insert import insert_pages
+from hiradix_model.ops.load import _protect, plan_load
+from hiradix_model.state import State
+from hiradix_model.strategies import eviction_key
+
+
+def _lowest(draft: Draft, leaves: set[Key], rng: random.Random) -> Key:
+    """A leaf of minimal rank, ties broken by ``rng``."""
+    strategy = draft.config.eviction
+    best = min(eviction_key(strategy, draft.page(k)) for k in leaves)
+    ties = sorted((k for k in leaves if eviction_key(strategy, draft.page(k)) == best),
+                  key=sort_key)
+    return rng.choice(ties)
+
+
+def _slots(pool: set[int], count: int, rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.sample(sorted(pool), count))
+
+
+def _host_room(draft: Draft, need: int, rng: random.Random) -> tuple[Key, ...]:
+    victims = []
+    while len(draft.host_free) < need and (leaves := host_leaves(draft)):
+        victim = _lowest(draft, leaves, rng)
+        evict_host_page(draft, victim)
+        victims.append(victim)
+    return tuple(victims)
+
+
+def _device_victims(
+    draft: Draft, num_tokens: int, rng: random.Random, overshoot: bool
+) -> tuple[Victim, ...]:
+    victims: list[Victim] = []
+    evicted = 0
+    while evicted < num_tokens and (leaves := device_leaves(draft)):
+        page = _lowest(draft, leaves, rng)
+        victims.append(_evict_one(draft, page, rng))
+        evicted += draft.ps
+    # Finish the last victim's chain now and then, as whole-node eviction does.
+    while overshoot and victims and rng.random() < 0.5:
+        parent = draft.parent(victims[-1].page)
+        if parent is None or parent not in device_leaves(draft):
+            break
+        strategy = draft.config.eviction
+        if eviction_key(strategy, draft.page(parent)) != min(
+            eviction_key(strategy, draft.page(k)) for k in device_leaves(draft)
+        ):
+            break
+        victims.append(_evict_one(draft, parent, rng))
+    return tuple(victims)
+
+
+def _evict_one(draft: Draft, page: Key, rng: random.Random) -> Victim:
+    if draft.config.write_policy != "write_back" or draft.page(page).host is not None:
+        drop_device_copy(draft, page)
+        return Victim(page)
+    host_victims = _host_room(draft, draft.ps, rng)
+    slots = _slots(draft.host_free, draft.ps, rng) if len(draft.host_free) >= draft.ps else None
+    victim = Victim(page, host_victims, slots)
+    _evict_write_back(draft, Victim(page, (), slots), "chooser")
+    return victim
+
+
+def choose_evict(
+    state: State, num_tokens: int, rng: random.Random, overshoot: bool = True
+) -> tuple[Victim, ...]:
+    """A legal victim sequence for ``evict(state, num_tokens, ...)``."""
+    return _device_victims(Draft(state), num_tokens, rng, overshoot)
+
+
+def choose_evict_host(state: State, num_tokens: int, rng: random.Random) -> tuple[Key, ...]:
+    """A legal victim sequence for ``evict_host(state, num_tokens, ...)``."""
+    draft = Draft(state)
+    victims = []
+    evicted = 0
+    while evicted < num_tokens and (leaves := host_leaves(draft)):
+        victim = _lowest(draft, leaves, rng)
+        evicted += evict_host_page(draft, victim)
+        victims.append(victim)
+    return tuple(victims)
+
+
+def _report_for(draft: Draft, run: tuple[Key, ...], rng: random.Random) -> Backup | None:
+    if not run:
+        return None
+    need = draft.ps * len(run)
+    host_victims = _host_room(draft, need, rng)
+    if len(draft.host_free) < need:
+        return Backup(host_victims, None)
+    slots = _slots(draft.host_free, need, rng)
+    apply_backup(draft, run, Backup((), slots), "chooser")  # the victims are gone already
+    return Backup(host_victims, slots)
+
+
+def choose_insert_backup(
+    state: State,
+    key: Key,
+    slots: tuple[int, ...],
+    now: int,
+    rng: random.Random,
+    *,
+    priority: int = 0,
+    chunked: bool = False,
+) -> Backup | None:
+    """The backup report for ``insert(state, key, slots, now, ...)``."""
+    draft = Draft(state)
+    _, due = insert_pages(draft, key, slots, now, priority, chunked)
+    return _report_for(draft, backup_run(draft, due), rng)
+
+
+def choose_write_backup(state: State, page: Key, rng: random.Random) -> Backup | None:
+    """The report for a standalone ``write_backup`` of ``page``."""
+    draft = Draft(state)
+    return _report_for(draft, (page,) if eligible(draft, page) else (), rng)
+
+
+def choose_load(
+    state: State, page: Key, mem_quota: int | None, rng: random.Random
+) -> tuple[tuple[Victim, ...], tuple[int, ...] | None]:
+    """``(device_victims, device_slots)`` for ``load_back(state, page, mem_quota, ...)``."""
+    draft = Draft(state)
+    plan = plan_load(draft, page, mem_quota)
+    if plan.skip:
+        return (), None
+    victims: tuple[Victim, ...] = ()
+    _protect(draft, plan.chain, +1)  # as load_back does before making room
+    shortfall = plan.tokens - len(draft.device_free)
+    if shortfall > 0:
+        if plan.anchor is not None:
+            add_lock(draft, plan.anchor, +1)
+        victims = _device_victims(draft, shortfall, rng, overshoot=False)
+        if plan.anchor is not None:
+            add_lock(draft, plan.anchor, -1)
+    if len(draft.device_free) < plan.tokens:
+        return victims, None
+    return victims, _slots(draft.device_free, plan.tokens, rng)

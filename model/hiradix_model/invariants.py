@@ -1,0 +1,256 @@
+"""The invariants of spec/05-invariants.md, one named predicate per spec ID.
+
+Each predicate yields a description of every violation it finds (nothing when the
+invariant holds). ``check(state)`` returns the IDs that fail; ``violations(state)`` the
+descriptions, for error messages.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from hiradix_model.keys import Key, parent_page
+from hiradix_model.state import (
+    State,
+    device_evictable_leaves,
+    expected_content,
+    host_evictable_leaves,
+    in_flight,
+    transfer_locks,
+)
+
+Predicate = Callable[[State], Iterator[str]]
+INVARIANTS: dict[str, Predicate] = {}
+
+
+def invariant(spec_id: str) -> Callable[[Predicate], Predicate]:
+    def register(predicate: Predicate) -> Predicate:
+        assert spec_id not in INVARIANTS, spec_id
+        INVARIANTS[spec_id] = predicate
+        predicate.spec_id = spec_id  # type: ignore[attr-defined]
+        return predicate
+
+    return register
+
+
+def _parent(state: State, page: Key) -> Key | None:
+    return parent_page(page, state.config.page_size)
+
+
+@invariant("INV-TREE-WELL-FORMED")
+def tree_well_formed(state: State) -> Iterator[str]:
+    ps = state.config.page_size
+    for key, page in state.pages.items():
+        if not key.tokens or len(key.tokens) % ps:
+            yield f"{key}: length {len(key.tokens)} is not a positive multiple of {ps}"
+        parent = _parent(state, key)
+        if parent is not None and parent not in state.pages:
+            yield f"{key}: its parent page {parent} is not cached"
+        for tier, slots in (("device", page.device), ("host", page.host)):
+            if slots is not None and (len(slots) != ps or len(set(slots)) != ps):
+                yield f"{key}: {tier} slots {slots} are not {ps} distinct slots"
+
+
+@invariant("INV-RESIDENT")
+def resident(state: State) -> Iterator[str]:
+    for key, page in state.pages.items():
+        if page.device is None and page.host is None:
+            yield f"{key}: cached but on neither tier"
+
+
+@invariant("INV-EVICTED-HAS-HOST")
+def evicted_has_host(state: State) -> Iterator[str]:
+    arriving = in_flight(state, "d2h")
+    for key, page in state.pages.items():
+        if page.device is None and page.host is not None and set(page.host) & arriving:
+            yield f"{key}: evicted from device while its host copy is still in flight"
+
+
+@invariant("INV-DEVICE-PREFIX-CLOSED")
+def device_prefix_closed(state: State) -> Iterator[str]:
+    for key, page in state.pages.items():
+        parent = _parent(state, key)
+        above = state.pages.get(parent) if parent is not None else None
+        if page.device is not None and above is not None and above.device is None:
+            yield f"{key}: on device but its parent {parent} is not"
+
+
+@invariant("INV-BACKUP-CONTIGUOUS")
+def backup_contiguous(state: State) -> Iterator[str]:
+    if state.config.write_policy == "write_back":
+        return
+    for key, page in state.pages.items():
+        parent = _parent(state, key)
+        above = state.pages.get(parent) if parent is not None else None
+        if page.host is not None and above is not None and above.host is None:
+            yield f"{key}: backed up but its parent {parent} is not"
+
+
+@invariant("INV-LOCK-ON-DEVICE")
+def lock_on_device(state: State) -> Iterator[str]:
+    for key, page in state.pages.items():
+        if page.lock > 0 and page.device is None:
+            yield f"{key}: locked ({page.lock}) but not on device"
+
+
+@invariant("INV-LOCK-MONOTONE")
+def lock_monotone(state: State) -> Iterator[str]:
+    for key, page in state.pages.items():
+        if page.lock < 0 or page.host_protect < 0:
+            yield f"{key}: negative count (lock {page.lock}, host_protect {page.host_protect})"
+        parent = _parent(state, key)
+        if parent is not None and parent in state.pages and state.pages[parent].lock < page.lock:
+            yield f"{key}: lock {page.lock} exceeds its parent's {state.pages[parent].lock}"
+
+
+@invariant("INV-ACCOUNTING")
+def accounting(state: State) -> Iterator[str]:
+    ps = state.config.page_size
+    on_device = [p for p in state.pages.values() if p.device is not None]
+    unlocked = ps * sum(p.lock == 0 for p in on_device)
+    locked = ps * sum(p.lock > 0 for p in on_device)
+    if state.evictable_tokens != unlocked:
+        yield f"evictable_tokens is {state.evictable_tokens}, unlocked device tokens {unlocked}"
+    if state.protected_tokens != locked:
+        yield f"protected_tokens is {state.protected_tokens}, locked device tokens {locked}"
+
+
+def _conservation(
+    capacity: int, parts: dict[str, list[int]]
+) -> Iterator[str]:
+    counts = Counter(s for slots in parts.values() for s in slots)
+    for slot, n in sorted(counts.items()):
+        if n > 1:
+            owners = [name for name, slots in parts.items() if slot in slots]
+            yield f"slot {slot} is owned {n} times ({', '.join(owners)})"
+    missing = set(range(capacity)) - counts.keys()
+    if missing:
+        yield f"slots {sorted(missing)} are owned by nobody"
+    foreign = counts.keys() - set(range(capacity))
+    if foreign:
+        yield f"slots {sorted(foreign)} are outside the pool"
+
+
+@invariant("INV-DEVICE-POOL-CONSERVATION")
+def device_pool_conservation(state: State) -> Iterator[str]:
+    arriving = in_flight(state, "h2d")
+    owned = [s for p in state.pages.values() for s in p.device or ()]
+    yield from _conservation(state.config.device_slots, {
+        "free": list(state.device_free),
+        "tree": [s for s in owned if s not in arriving],
+        "in flight": [s for s in owned if s in arriving],
+        "held by callers": list(state.held),
+    })
+
+
+@invariant("INV-HOST-POOL-CONSERVATION")
+def host_pool_conservation(state: State) -> Iterator[str]:
+    arriving = in_flight(state, "d2h")
+    owned = [s for p in state.pages.values() for s in p.host or ()]
+    yield from _conservation(state.config.host_slots, {
+        "free": list(state.host_free),
+        "tree": [s for s in owned if s not in arriving],
+        "in flight": [s for s in owned if s in arriving],
+    })
+
+
+@invariant("INV-DEVICE-EVICTABLE-LEAVES")
+def device_evictable_leaves_exist(state: State) -> Iterator[str]:
+    if state.evictable_tokens > 0 and not device_evictable_leaves(state):
+        yield f"{state.evictable_tokens} tokens counted evictable but no device leaf is"
+
+
+@invariant("INV-HOST-EVICTABLE-LEAVES")
+def host_evictable_leaves_exist(state: State) -> Iterator[str]:
+    leaves = host_evictable_leaves(state)
+    below: dict[Key, set[Key]] = {k: set() for k in state.pages}
+    for key in state.pages:
+        cursor = _parent(state, key)
+        while cursor is not None and cursor in below:
+            below[cursor].add(key)
+            cursor = _parent(state, cursor)
+    for key, page in state.pages.items():
+        if page.device is not None or page.host is None:
+            continue
+        subtree = below[key] | {key}
+        if any(state.pages[k].host_protect for k in subtree):
+            continue
+        if not subtree & leaves:
+            yield f"{key}: host-only and unprotected, but no host leaf below it is evictable"
+
+
+@invariant("INV-HOST-PROTECT")
+def host_protect(state: State) -> Iterator[str]:
+    for key, page in state.pages.items():
+        if page.host_protect > 0 and page.host is None:
+            yield f"{key}: host-protected without a host copy"
+        if page.host_protect > 0 and page.host is not None and set(page.host) & state.host_free:
+            yield f"{key}: host-protected copy's slots are on the free list"
+
+
+@invariant("INV-TRANSFER-PINNED")
+def transfer_pinned(state: State) -> Iterator[str]:
+    for t in state.pending:
+        records = [state.pages.get(k) for k in t.pages]
+        if any(r is None for r in records):
+            yield f"{t.direction} copy of {t.pages}: a page is no longer cached"
+            continue
+        device = tuple(s for r in records if r is not None for s in r.device or ())
+        host = tuple(s for r in records if r is not None for s in r.host or ())
+        src, dst = (device, host) if t.direction == "d2h" else (host, device)
+        if (t.src, t.dst) != (src, dst):
+            yield f"{t.direction} copy of {t.pages}: slots moved while in flight"
+        if t.direction == "h2d" and any(r is not None and r.host_protect < 1 for r in records):
+            yield f"h2d copy of {t.pages}: a source host copy is not protected"
+    for key, page in state.pages.items():
+        if page.lock < transfer_locks(state, key):
+            yield f"{key}: lock {page.lock} is below the locks its copies in flight hold"
+
+
+def _integrity(state: State, check_namespace_only: bool) -> Iterator[str]:
+    ps = state.config.page_size
+    for tier, kv, arriving in (
+        ("device", state.device_kv, in_flight(state, "h2d")),
+        ("host", state.host_kv, in_flight(state, "d2h")),
+    ):
+        for key, page in state.pages.items():
+            slots = page.device if tier == "device" else page.host
+            for offset, slot in enumerate(slots or ()):
+                if slot in arriving:
+                    continue
+                have = kv.get(slot)
+                if check_namespace_only:
+                    if have is not None and have.namespace != key.namespace:
+                        yield f"{key}: {tier} slot {slot} holds KV of namespace {have.namespace!r}"
+                elif have != expected_content(key, offset, ps):
+                    yield f"{key}: {tier} slot {slot} holds {have}, not its KV"
+
+
+@invariant("INV-KV-INTEGRITY")
+def kv_integrity(state: State) -> Iterator[str]:
+    yield from _integrity(state, check_namespace_only=False)
+
+
+@invariant("INV-NAMESPACE-ISOLATION")
+def namespace_isolation(state: State) -> Iterator[str]:
+    yield from _integrity(state, check_namespace_only=True)
+
+
+@invariant("INV-CLOCK-MONOTONE")
+def clock_monotone(state: State) -> Iterator[str]:
+    for key, page in state.pages.items():
+        if not page.insert_tick <= page.last_tick <= state.clock:
+            yield (f"{key}: ticks out of order (inserted {page.insert_tick}, last "
+                   f"{page.last_tick}, clock {state.clock})")
+
+
+def violations(state: State) -> dict[str, list[str]]:
+    """Every failing invariant ID with the descriptions of its violations."""
+    found = {spec_id: list(predicate(state)) for spec_id, predicate in INVARIANTS.items()}
+    return {spec_id: problems for spec_id, problems in found.items() if problems}
+
+
+def check(state: State) -> tuple[str, ...]:
+    """The IDs of the invariants that ``state`` violates; empty when all hold."""
+    return tuple(spec_id for spec_id, predicate in INVARIANTS.items() if any(predicate(state)))

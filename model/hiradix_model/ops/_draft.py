@@ -1,0 +1,131 @@
+"""A mutable working copy of a State, private to one operation.
+
+Operations are pure: each copies the state into a Draft, edits the copy and freezes it.
+Every page edit goes through ``set_page`` so the evictable/protected token counters are
+kept the way an engine keeps them (incrementally), which is what INV-ACCOUNTING audits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+from hiradix_model.errors import PreconditionError
+from hiradix_model.keys import Key, parent_page
+from hiradix_model.state import Page, State, Transfer
+
+
+class Draft:
+    def __init__(self, state: State) -> None:
+        self.config = state.config
+        self.ps = state.config.page_size
+        self.pages: dict[Key, Page] = dict(state.pages)
+        self.device_free: set[int] = set(state.device_free)
+        self.host_free: set[int] = set(state.host_free)
+        self.held: set[int] = set(state.held)
+        self.device_kv: dict[int, Key] = dict(state.device_kv)
+        self.host_kv: dict[int, Key] = dict(state.host_kv)
+        self.pending: list[Transfer] = list(state.pending)
+        self.clock = state.clock
+        self.evictable_tokens = state.evictable_tokens
+        self.protected_tokens = state.protected_tokens
+
+    def freeze(self) -> State:
+        return State(
+            config=self.config,
+            pages=self.pages,
+            device_free=frozenset(self.device_free),
+            host_free=frozenset(self.host_free),
+            held=frozenset(self.held),
+            device_kv=self.device_kv,
+            host_kv=self.host_kv,
+            pending=tuple(self.pending),
+            clock=self.clock,
+            evictable_tokens=self.evictable_tokens,
+            protected_tokens=self.protected_tokens,
+        )
+
+    def view(self) -> State:
+        """A State snapshot of the draft, for the read-only queries in state.py."""
+        return State(
+            config=self.config,
+            pages=dict(self.pages),
+            device_free=frozenset(self.device_free),
+            host_free=frozenset(self.host_free),
+            held=frozenset(self.held),
+            device_kv=self.device_kv,
+            host_kv=self.host_kv,
+            pending=tuple(self.pending),
+            clock=self.clock,
+            evictable_tokens=self.evictable_tokens,
+            protected_tokens=self.protected_tokens,
+        )
+
+    def _count(self, page: Page | None, sign: int) -> None:
+        if page is None or page.device is None:
+            return
+        if page.lock == 0:
+            self.evictable_tokens += sign * self.ps
+        else:
+            self.protected_tokens += sign * self.ps
+
+    def set_page(self, key: Key, page: Page | None) -> None:
+        """Replace (or, with None, delete) one page record, keeping the counters."""
+        self._count(self.pages.get(key), -1)
+        self._count(page, +1)
+        if page is None:
+            del self.pages[key]
+        else:
+            self.pages[key] = page
+
+    def page(self, key: Key) -> Page:
+        return self.pages[key]
+
+    def parent(self, key: Key) -> Key | None:
+        return parent_page(key, self.ps)
+
+    def path(self, key: Key) -> list[Key]:
+        """``key`` and its ancestors, deepest first."""
+        path: list[Key] = []
+        cursor: Key | None = key
+        while cursor is not None:
+            path.append(cursor)
+            cursor = parent_page(cursor, self.ps)
+        return path
+
+
+def require(condition: bool, argument: str, reason: str) -> None:
+    """Raise PreconditionError(argument, reason) unless ``condition``."""
+    if not condition:
+        raise PreconditionError(argument, reason)
+
+
+def require_slots(slots: Sequence[int], argument: str) -> None:
+    require(isinstance(slots, tuple), argument, "must be a tuple of ints")
+    require(all(isinstance(s, int) for s in slots), argument, "must hold only ints")
+    require(len(set(slots)) == len(slots), argument, "holds a slot twice")
+
+
+def require_tick(draft: Draft, now: int) -> None:
+    require(isinstance(now, int), "now", "must be an int")
+    require(now >= draft.clock, "now", f"logical clock went backwards ({now} < {draft.clock})")
+
+
+def require_key(key: Key, argument: str = "key") -> None:
+    require(isinstance(key, Key), argument, "must be a Key")
+    require(isinstance(key.tokens, tuple), argument, "tokens must be a tuple of ints")
+    require(all(isinstance(t, int) for t in key.tokens), argument, "tokens must be ints")
+
+
+def add_lock(draft: Draft, key: Key, delta: int) -> int:
+    """Add ``delta`` to the lock count of ``key``'s root path; return the evictable change."""
+    before = draft.evictable_tokens
+    for k in draft.path(key):
+        old = draft.page(k)
+        draft.set_page(k, replace(old, lock=old.lock + delta))
+    return draft.evictable_tokens - before
+
+
+def take(pool: set[int], slots: Iterable[int]) -> None:
+    for s in slots:
+        pool.remove(s)

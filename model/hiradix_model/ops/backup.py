@@ -1,0 +1,116 @@
+"""write_backup and writing_check (spec/03-operations.md, "write_backup", "writing_check")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.keys import Key
+from hiradix_model.ops._ack import acknowledge
+from hiradix_model.ops._draft import Draft, add_lock, require, require_key
+from hiradix_model.ops._victims import make_host_room
+from hiradix_model.state import State, Transfer, pending_count  # noqa: F401 (contracts)
+
+
+@dataclass(frozen=True)
+class Backup:
+    """The implementation's report of one backup run.
+
+    ``host_victims`` are the host pages it evicted to make room for the run;
+    ``host_slots`` the host slots the run got, root-most page first, or None if the host
+    had no room even after evicting every evictable host page.
+    """
+
+    host_victims: tuple[Key, ...] = ()
+    host_slots: tuple[int, ...] | None = None
+
+
+def eligible(draft: Draft, page: Key) -> bool:
+    """A page may be backed up if it is on device, not on host, and -- under the
+    write-through policies -- its parent already has a host copy (INV-BACKUP-CONTIGUOUS)."""
+    record = draft.pages.get(page)
+    if record is None or record.device is None or record.host is not None:
+        return False
+    if draft.config.write_policy == "write_back":
+        return True
+    parent = draft.parent(page)
+    return parent is None or draft.page(parent).host is not None
+
+
+def backup_run(draft: Draft, due: Sequence[Key]) -> tuple[Key, ...]:
+    """The pages one backup copies: the first eligible due page and the due pages that
+    follow it as its descendants, each the child of the one before."""
+    run: list[Key] = []
+    for page in due:
+        if run and draft.parent(page) == run[-1]:
+            run.append(page)
+        elif run:
+            break
+        elif eligible(draft, page):
+            run.append(page)
+    return tuple(run)
+
+
+def apply_backup(draft: Draft, run: Sequence[Key], report: Backup | None, what: str) -> bool:
+    """Back up ``run`` all or nothing, as ``report`` says; True if the copy was issued."""
+    if not run:
+        if report is not None:
+            raise IllegalChoice(f"{what}: reported a backup, but no page is eligible")
+        return False
+    if report is None:
+        raise IllegalChoice(f"{what}: {len(run)} pages are due for backup; report the outcome")
+    need = draft.ps * len(run)
+    make_host_room(draft, report.host_victims, need, f"{what}.host_victims")
+    slots = report.host_slots
+    if slots is None:
+        if len(draft.host_free) >= need:
+            raise IllegalChoice(f"{what}: reported no host room, but {need} slots are free")
+        return False
+    if len(slots) != need or len(set(slots)) != need or not set(slots) <= draft.host_free:
+        raise IllegalChoice(f"{what}.host_slots: {slots} are not {need} distinct free host slots")
+    draft.host_free.difference_update(slots)
+    source: list[int] = []
+    for index, page in enumerate(run):
+        record = draft.page(page)
+        assert record.device is not None
+        source.extend(record.device)
+        draft.set_page(page, replace(record, host=slots[index * draft.ps:(index + 1) * draft.ps]))
+    # One copy, one lock on the deepest page: its root path holds every source page.
+    add_lock(draft, run[-1], +1)
+    draft.pending.append(Transfer("d2h", tuple(run), tuple(source), slots, run[-1]))
+    return True
+
+
+def write_backup(state: State, page: Key, report: Backup | None) -> tuple[State, bool]:
+    """Start backing up one page to host; False if it is not eligible or found no room.
+
+    ``report`` is None exactly when the page is not eligible (its parent has no host copy).
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: __return__[1] == (len(__return__[0].pending) == len(state.pending) + 1)
+    raises: PreconditionError, IllegalChoice
+    """
+    require_key(page, "page")
+    record = state.pages.get(page)
+    require(record is not None, "page", f"{page} is not cached")
+    assert record is not None
+    require(record.device is not None, "page", "is not on device")
+    require(record.host is None, "page", "already has a host copy")
+    require(report is None or isinstance(report, Backup), "report", "must be a Backup or None")
+    draft = Draft(state)
+    run = (page,) if eligible(draft, page) else ()
+    issued = apply_backup(draft, run, report, "report")
+    return (draft.freeze(), True) if issued else (draft.freeze() if run else state, False)
+
+
+def writing_check(state: State, count: int) -> tuple[State, int]:
+    """Acknowledge the oldest ``count`` device-to-host copies: bytes land, locks drop.
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: pending_count(__return__[0], "d2h") == pending_count(state, "d2h") - count
+    raises: PreconditionError
+    """
+    return acknowledge(state, "d2h", count)

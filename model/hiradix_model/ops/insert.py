@@ -1,0 +1,105 @@
+"""insert (spec/03-operations.md, "insert")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.keys import Key, content_at, page_aligned_length, page_keys
+from hiradix_model.ops._draft import Draft, require, require_key, require_slots, require_tick
+from hiradix_model.ops.backup import Backup, apply_backup, backup_run
+from hiradix_model.state import Page, State
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    prefix_tokens: int  # tokens already on device; the caller's slots there are duplicates
+    due: tuple[Key, ...]  # pages that reached the backup threshold without a host copy
+
+
+def insert(
+    state: State,
+    key: Key,
+    slots: tuple[int, ...],
+    now: int,
+    *,
+    priority: int = 0,
+    chunked: bool = False,
+    backup: Backup | None = None,
+) -> tuple[State, InsertResult]:
+    """Cache ``key`` whose KV is in ``slots`` (one per token); back up the pages now due.
+
+    ``backup`` reports the outcome of the backup run (None when no page is eligible).
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: __return__[1].prefix_tokens % state.config.page_size == 0
+    post: __return__[1].prefix_tokens <= len(key.tokens)
+    raises: PreconditionError, IllegalChoice
+    """
+    require_key(key)
+    require_slots(slots, "slots")
+    require(len(slots) == len(key.tokens), "slots", "must hold one slot per token of key")
+    require(isinstance(priority, int), "priority", "must be an int")
+    draft = Draft(state)
+    require_tick(draft, now)
+    pages = page_keys(key, draft.ps)
+    _check_slots(draft, key, slots, len(pages))
+    prefix_tokens, due = insert_pages(draft, key, slots, now, priority, chunked)
+    apply_backup(draft, backup_run(draft, due), backup, "backup")
+    return draft.freeze(), InsertResult(prefix_tokens, due)
+
+
+def insert_pages(
+    draft: Draft, key: Key, slots: tuple[int, ...], now: int, priority: int, chunked: bool
+) -> tuple[int, tuple[Key, ...]]:
+    """insert without the backups: returns the cached prefix and the pages now due."""
+    pages = page_keys(key, draft.ps)
+    draft.clock = now
+    prefix_tokens = 0
+    hit = 0 if chunked else 1
+    for index, page in enumerate(pages):
+        own = slots[index * draft.ps : (index + 1) * draft.ps]
+        record = draft.pages.get(page)
+        if record is None:
+            new = Page(device=own, host=None, hits=hit, last_tick=now, insert_tick=now,
+                       priority=priority)
+        elif record.device is None:
+            # Recomputed KV for a page that lives only on host: adopt the new slots. It was
+            # not found on device, so it is neither a hit nor part of the cached prefix.
+            new = replace(record, device=own, last_tick=now,
+                          priority=max(record.priority, priority))
+        else:
+            prefix_tokens += draft.ps
+            draft.set_page(page, replace(record, hits=record.hits + hit, last_tick=now,
+                                         priority=max(record.priority, priority)))
+            continue
+        draft.held.difference_update(own)
+        draft.set_page(page, new)
+    threshold = draft.config.write_through_threshold
+    due: tuple[Key, ...] = ()
+    if threshold is not None and not chunked:
+        due = tuple(
+            p for p in pages if draft.page(p).hits >= threshold and draft.page(p).host is None
+        )
+    return prefix_tokens, due
+
+
+def _check_slots(draft: Draft, key: Key, slots: tuple[int, ...], num_pages: int) -> None:
+    """Each slot must be the tree's own slot for that position or hold the caller's KV."""
+    for position in range(num_pages * draft.ps):
+        slot = slots[position]
+        record = draft.pages.get(Key(key.tokens[: position - position % draft.ps + draft.ps],
+                                     key.namespace))
+        where = f"slots[{position}]"
+        if record is not None and record.device is not None:
+            require(slot == record.device[position % draft.ps] or slot in draft.held, where,
+                    f"slot {slot} is neither the cache's slot here nor held by the caller")
+            continue
+        require(slot in draft.held, where, f"slot {slot} is not held by the caller")
+        require(draft.device_kv.get(slot) == content_at(key, position), where,
+                f"slot {slot} does not hold the KV of this position")
+    for position in range(num_pages * draft.ps, len(slots)):  # the partial tail page
+        require(slots[position] in draft.held, f"slots[{position}]",
+                f"slot {slots[position]} is not held by the caller")
+    assert page_aligned_length(key, draft.ps) == num_pages * draft.ps

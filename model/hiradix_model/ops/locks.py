@@ -1,0 +1,51 @@
+"""inc_lock_ref and dec_lock_ref (spec/03-operations.md, "inc_lock_ref", "dec_lock_ref")."""
+
+from __future__ import annotations
+
+from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.keys import Key
+from hiradix_model.ops._draft import Draft, add_lock, require, require_key
+from hiradix_model.state import State, root_path, transfer_locks
+
+
+def inc_lock_ref(state: State, page: Key | None) -> tuple[State, int]:
+    """Lock ``page`` and its ancestors against eviction; return the evictable-token change.
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: __return__[0].evictable_tokens - state.evictable_tokens == __return__[1] <= 0
+    raises: PreconditionError
+    """
+    if page is None:  # the root: nothing to lock
+        return state, 0
+    require_key(page, "page")
+    record = state.pages.get(page)
+    require(record is not None, "page", f"{page} is not cached")
+    assert record is not None
+    require(record.device is not None, "page", f"{page} is not on device; load it back first")
+    draft = Draft(state)
+    delta = add_lock(draft, page, +1)
+    return draft.freeze(), delta
+
+
+def dec_lock_ref(state: State, page: Key | None) -> tuple[State, int]:
+    """Release one lock taken by inc_lock_ref on ``page``; return the evictable-token change.
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: __return__[0].evictable_tokens - state.evictable_tokens == __return__[1] >= 0
+    raises: PreconditionError
+    """
+    if page is None:
+        return state, 0
+    require_key(page, "page")
+    record = state.pages.get(page)
+    require(record is not None, "page", f"{page} is not cached")
+    assert record is not None
+    # Locks held by copies in flight are not the caller's to release.
+    for key in root_path(state, page):
+        held_by_caller = state.pages[key].lock - transfer_locks(state, key)
+        require(held_by_caller >= 1, "page", f"{page} holds no lock of the caller's on {key}")
+    draft = Draft(state)
+    delta = add_lock(draft, page, -1)
+    return draft.freeze(), delta

@@ -1,0 +1,59 @@
+"""alloc, free and reset (spec/03-operations.md, "alloc", "free", "reset").
+
+alloc and free are the caller's side of the device pool: an engine allocates slots for
+the tokens it must compute, runs the forward pass that writes their KV, inserts, and
+frees what insert did not adopt. Modelling them makes "held by callers" a real term of
+pool conservation instead of an unaccounted difference.
+"""
+
+from __future__ import annotations
+
+from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.keys import Key, content_at
+from hiradix_model.ops._draft import Draft, require, require_key, require_slots, take
+from hiradix_model.state import State, initial
+
+
+def alloc(state: State, key: Key, start: int, slots: tuple[int, ...]) -> tuple[State, None]:
+    """Take free device ``slots`` and write into them the KV of ``key`` from ``start`` on.
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: __return__[0].held == state.held | frozenset(slots)
+    raises: PreconditionError
+    """
+    require_key(key)
+    require_slots(slots, "slots")
+    require(isinstance(start, int) and start >= 0, "start", "must be an int >= 0")
+    require(start + len(slots) <= len(key.tokens), "slots", "run past the end of key")
+    require(set(slots) <= state.device_free, "slots", "are not all free device slots")
+    draft = Draft(state)
+    take(draft.device_free, slots)
+    draft.held.update(slots)
+    for offset, slot in enumerate(slots):
+        draft.device_kv[slot] = content_at(key, start + offset)
+    return draft.freeze(), None
+
+
+def free(state: State, slots: tuple[int, ...]) -> tuple[State, None]:
+    """Return device ``slots`` the caller holds to the free pool.
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: __return__[0].device_free == state.device_free | frozenset(slots)
+    raises: PreconditionError
+    """
+    require_slots(slots, "slots")
+    require(set(slots) <= state.held, "slots", "are not all held by the caller")
+    draft = Draft(state)
+    take(draft.held, slots)
+    draft.device_free.update(slots)
+    return draft.freeze(), None
+
+
+def reset(state: State) -> tuple[State, None]:
+    """Drop everything: the empty cache of the same configuration.
+
+    post: __return__[0] == initial(state.config)
+    """
+    return initial(state.config), None

@@ -1,0 +1,139 @@
+"""The abstract state (spec/02-state.md).
+
+The state does not mirror a radix tree. It is a map from page keys (full prefix plus
+namespace) to per-page records, two slot pools, the KV content of every slot, and the
+list of copies in flight. Node boundaries of an implementation are invisible here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from hiradix_model.config import Config
+from hiradix_model.keys import Key, content_at, parent_page
+
+Direction = Literal["d2h", "h2d"]
+
+
+@dataclass(frozen=True)
+class Page:
+    """One cached page. ``device``/``host`` are its slots on each tier, None if absent."""
+
+    device: tuple[int, ...] | None
+    host: tuple[int, ...] | None
+    lock: int = 0  # locks held on this page or on a page below it
+    host_protect: int = 0  # holders that forbid freeing the host copy
+    hits: int = 0  # non-chunked inserts that found the page cached (or created it)
+    last_tick: int = 0  # logical time of the last match or insert that touched it
+    insert_tick: int = 0  # logical time the page entered the cache
+    priority: int = 0  # the highest priority of the inserts that touched it
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A copy in flight. ``dst`` already belongs to the pages; its bytes are not there yet."""
+
+    direction: Direction  # d2h: backup to host; h2d: load back to device
+    pages: tuple[Key, ...]  # root-most first; src/dst are their slots concatenated
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    lock: Key  # the root path of this page stays locked until the copy is acknowledged
+
+
+@dataclass(frozen=True)
+class State:
+    """The whole abstract cache. Treat every field as immutable."""
+
+    config: Config
+    pages: Mapping[Key, Page]
+    device_free: frozenset[int]
+    host_free: frozenset[int]
+    held: frozenset[int]  # device slots allocated by callers and not owned by any page
+    device_kv: Mapping[int, Key]  # whose KV each device slot holds (absent: garbage)
+    host_kv: Mapping[int, Key]
+    pending: tuple[Transfer, ...]  # issue order; FIFO within a direction
+    clock: int  # the latest logical tick an operation was given
+    evictable_tokens: int  # kept incrementally, as engines do; INV-ACCOUNTING audits it
+    protected_tokens: int
+
+
+def initial(config: Config) -> State:
+    """The empty cache: every slot free, nothing cached, nothing in flight."""
+    return State(
+        config=config,
+        pages={},
+        device_free=frozenset(range(config.device_slots)),
+        host_free=frozenset(range(config.host_slots)),
+        held=frozenset(),
+        device_kv={},
+        host_kv={},
+        pending=(),
+        clock=0,
+        evictable_tokens=0,
+        protected_tokens=0,
+    )
+
+
+def expected_content(page: Key, offset: int, page_size: int) -> Key:
+    """The KV identity that slot ``offset`` of ``page`` must hold."""
+    return content_at(page, len(page.tokens) - page_size + offset)
+
+
+def parent_of(state: State, page: Key) -> Key | None:
+    return parent_page(page, state.config.page_size)
+
+
+def children_of(state: State, page: Key) -> Iterator[Key]:
+    ps = state.config.page_size
+    for key in state.pages:
+        if parent_page(key, ps) == page:
+            yield key
+
+
+def root_path(state: State, page: Key) -> Iterator[Key]:
+    """``page`` and its ancestors, deepest first."""
+    cursor: Key | None = page
+    while cursor is not None:
+        yield cursor
+        cursor = parent_of(state, cursor)
+
+
+def device_evictable_leaves(state: State) -> set[Key]:
+    """Unlocked device pages with no child on device (spec: INV-DEVICE-EVICTABLE-LEAVES)."""
+    leaves = {k for k, p in state.pages.items() if p.device is not None and p.lock == 0}
+    for key, page in state.pages.items():
+        parent = parent_of(state, key)
+        if page.device is not None and parent in leaves:
+            leaves.discard(parent)
+    return leaves
+
+
+def host_evictable_leaves(state: State) -> set[Key]:
+    """Host-only, unprotected pages with no children (spec: INV-HOST-EVICTABLE-LEAVES)."""
+    leaves = {
+        k
+        for k, p in state.pages.items()
+        if p.device is None and p.host is not None and p.host_protect == 0 and p.lock == 0
+    }
+    for key in state.pages:
+        parent = parent_of(state, key)
+        if parent is not None:
+            leaves.discard(parent)
+    return leaves
+
+
+def in_flight(state: State, direction: Direction) -> frozenset[int]:
+    """Destination slots of pending copies in ``direction``: owned, but not yet valid."""
+    return frozenset(s for t in state.pending if t.direction == direction for s in t.dst)
+
+
+def transfer_locks(state: State, page: Key) -> int:
+    """Locks on ``page`` that pending copies hold (each locks its ``lock`` page's root path)."""
+    return sum(page in root_path(state, t.lock) for t in state.pending)
+
+
+def pending_count(state: State, direction: Direction) -> int:
+    """Copies in flight in ``direction``."""
+    return sum(t.direction == direction for t in state.pending)

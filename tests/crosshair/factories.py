@@ -1,0 +1,139 @@
+"""Symbolic *reachable* model states and keys for CrossHair (see plugin.py).
+
+CrossHair cannot invent a State that satisfies every invariant by solving for its
+fields, so this plugin teaches it to build one the way the cache does: from the empty
+state of a small configuration, through a short request sequence whose tokens,
+namespaces and lengths are symbolic. Every State CrossHair hands to an operation is
+therefore reachable, and the solver still branches on every token comparison.
+
+"""
+
+from __future__ import annotations
+
+import random
+
+from crosshair import SymbolicFactory, deep_realize, register_patch, register_type
+from crosshair.condition_parser import NoEnforce
+from crosshair.tracers import NoTracing, ResumedTracing
+
+from hiradix_model import Config, Key, State, choosers, initial, invariants
+from hiradix_model import ops as checked_ops
+from hiradix_model.config import STRATEGIES, WRITE_POLICIES
+
+ALPHABET = (1, 2)
+MAX_TOKENS = 4
+MAX_REQUESTS = 3
+
+
+class _Unchecked:
+    """The operations without contract enforcement: building a state is not the analysis
+    (each operation's own contract is checked when CrossHair analyses it directly)."""
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return NoEnforce(getattr(checked_ops, name))
+
+
+ops = _Unchecked()
+
+
+def _choice(factory: SymbolicFactory, options: tuple, suffix: str):  # type: ignore[no-untyped-def]
+    index = factory(int, suffix)
+    for option_index, option in enumerate(options[:-1]):
+        if index == option_index:
+            return option
+    return options[-1]
+
+
+def make_key(factory: SymbolicFactory) -> Key:
+    length = factory(int, "_len")
+    tokens = []
+    for position in range(MAX_TOKENS):
+        if position >= length:
+            break
+        tokens.append(_choice(factory, ALPHABET, f"_tok{position}"))
+    namespace = _choice(factory, (None, "ns"), "_ns")
+    return Key(tuple(tokens), namespace)
+
+
+def _request(state: State, key: Key, now: int, load: bool, keep_lock: bool) -> State:
+    state, match = ops.match_prefix(state, key, now)
+    if load and match.host_hit_tokens and match.last_host_page is not None:
+        victims, slots = choosers.choose_load(state, match.last_host_page, None,
+                                              random.Random(0))
+        state, _ = ops.init_load_back(state, match.last_host_page, None,
+                                      device_victims=victims, device_slots=slots)
+        return state
+    if keep_lock and match.last_device_page is not None:
+        return ops.inc_lock_ref(state, match.last_device_page)[0]
+    cached = len(match.device_slots)
+    need = len(key.tokens) - cached
+    if need > len(state.device_free):
+        shortfall = need - len(state.device_free)
+        state, _ = ops.evict(state, shortfall, choosers.choose_evict(state, shortfall,
+                                                                     random.Random(0)))
+    if need > len(state.device_free):
+        return state
+    new = tuple(sorted(state.device_free)[:need])
+    state, _ = ops.alloc(state, key, cached, new)
+    slots = match.device_slots + new
+    backup = choosers.choose_insert_backup(state, key, slots, now, random.Random(0))
+    state, _ = ops.insert(state, key, slots, now, backup=backup)
+    return ops.free(state, tuple(s for s in new if s in state.held))[0]
+
+
+def make_state(factory: SymbolicFactory) -> State:
+    page_size = _choice(factory, (1, 2), "_page_size")
+    config = Config(
+        page_size=page_size,
+        device_slots=4 * page_size,
+        host_slots=4 * page_size,
+        write_policy=_choice(factory, WRITE_POLICIES, "_policy"),
+        eviction=_choice(factory, STRATEGIES, "_strategy"),
+        load_back_threshold=_choice(factory, (0, 2), "_threshold"),
+    )
+    state = initial(config)
+    requests = factory(int, "_requests")
+    for index in range(MAX_REQUESTS):
+        if index >= requests:
+            break
+        load = _choice(factory, (False, True), f"_load{index}")
+        keep_lock = _choice(factory, (False, True), f"_lock{index}")
+        state = _request(state, make_key(factory), index + 1, load, keep_lock)
+        if _choice(factory, (False, True), f"_ack{index}"):
+            pending = sum(t.direction == "d2h" for t in state.pending)
+            state, _ = ops.writing_check(state, pending)
+        if _choice(factory, (False, True), f"_evict{index}"):
+            state, _ = ops.evict(state, 2, choosers.choose_evict(state, 2, random.Random(0)))
+    # The solver picked this state (one per path); handing it over concrete keeps the
+    # operation's own arguments symbolic without symbolic keys inside dicts.
+    return deep_realize(state)
+
+
+def _traced(build):  # type: ignore[no-untyped-def]
+    # CrossHair calls creators with tracing off; the builders branch on symbolic values,
+    # which needs tracing back on.
+    def creator(factory: SymbolicFactory):  # type: ignore[no-untyped-def]
+        with ResumedTracing():
+            return build(factory)
+
+    return creator
+
+
+def _concrete_check(state: State) -> tuple[str, ...]:
+    """invariants.check on the realized state, outside the tracer.
+
+    The invariants read every page; traced symbolically that costs more than a path's
+    budget. Realizing first commits the solver to this path's values, which is sound
+    for a check (it decides the contract on exactly the state this path produced).
+    """
+    with NoTracing():
+        return _original_check(deep_realize(state))
+
+
+_original_check = invariants.check
+
+
+def register() -> None:
+    register_patch(invariants.check, _concrete_check)
+    register_type(Key, _traced(make_key))
+    register_type(State, _traced(make_state))

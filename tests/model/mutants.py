@@ -1,0 +1,126 @@
+"""One corruption per invariant: a function that breaks exactly what the ID forbids.
+
+Used by test_invariants.py (each corruption must make its own ID fail) and by the
+traceability test (every spec ID must have one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from hiradix_model import Key, Page, State
+
+from scenario import BACKING_UP, HOST_ONLY, LOADED
+
+PARENT = Key((1, 2))
+
+
+def _page(state: State, key: Key, **changes: object) -> State:
+    pages = dict(state.pages)
+    pages[key] = replace(pages[key], **changes)  # type: ignore[arg-type]
+    return replace(state, pages=pages)
+
+
+def orphan_page(s: State) -> State:
+    pages = dict(s.pages)
+    pages[Key((9, 9, 9, 9))] = Page(device=None, host=tuple(sorted(s.host_free)[:2]))
+    return replace(s, pages=pages, host_free=s.host_free - set(sorted(s.host_free)[:2]))
+
+
+def nowhere(s: State) -> State:
+    host = s.pages[HOST_ONLY].host or ()
+    return replace(_page(s, HOST_ONLY, host=None), host_free=s.host_free | set(host))
+
+
+def evicted_mid_backup(s: State) -> State:
+    device = s.pages[BACKING_UP].device or ()
+    state = _page(s, BACKING_UP, device=None, lock=0)
+    return replace(state, device_free=s.device_free | set(device),
+                   protected_tokens=s.protected_tokens - 2)
+
+
+def device_hole(s: State) -> State:
+    # The parent gives its device copy up while the child keeps one.
+    device = s.pages[PARENT].device or ()
+    state = _page(s, PARENT, device=None, lock=0, host_protect=0)
+    return replace(state, device_free=s.device_free | set(device),
+                   protected_tokens=s.protected_tokens - 2)
+
+
+def backup_gap(s: State) -> State:
+    host = s.pages[PARENT].host or ()
+    return replace(_page(s, PARENT, host=None, host_protect=0),
+                   host_free=s.host_free | set(host))
+
+
+def locked_on_host(s: State) -> State:
+    return _page(s, HOST_ONLY, lock=1)
+
+
+def child_outlocks_parent(s: State) -> State:
+    return replace(_page(s, LOADED, lock=s.pages[PARENT].lock + 1))
+
+
+def counter_drift(s: State) -> State:
+    return replace(s, evictable_tokens=s.evictable_tokens + 2)
+
+
+def lost_device_slot(s: State) -> State:
+    return replace(s, device_free=s.device_free - {min(s.device_free)})
+
+
+def host_slot_owned_twice(s: State) -> State:
+    return replace(s, host_free=s.host_free | {(s.pages[HOST_ONLY].host or ())[0]})
+
+
+def evictable_but_no_leaf(s: State) -> State:
+    return replace(s, evictable_tokens=s.evictable_tokens + 2)
+
+
+def host_leaf_stuck(s: State) -> State:
+    return _page(s, HOST_ONLY, lock=1)
+
+
+def protected_without_copy(s: State) -> State:
+    return _page(s, HOST_ONLY, host_protect=1, host=None)
+
+
+def source_moved(s: State) -> State:
+    # The backup's source page loses its lock while its copy is in flight.
+    return _page(s, BACKING_UP, lock=0)
+
+
+def wrong_bytes(s: State) -> State:
+    slot = (s.pages[HOST_ONLY].host or ())[0]
+    return replace(s, host_kv={**s.host_kv, slot: Key((7, 9))})
+
+
+def foreign_namespace(s: State) -> State:
+    slot = (s.pages[HOST_ONLY].host or ())[0]
+    return replace(s, host_kv={**s.host_kv, slot: Key((7,), "other")})
+
+
+def tick_from_future(s: State) -> State:
+    return _page(s, HOST_ONLY, last_tick=s.clock + 1)
+
+
+MUTANTS: dict[str, Callable[[State], State]] = {
+    "INV-TREE-WELL-FORMED": orphan_page,
+    "INV-RESIDENT": nowhere,
+    "INV-EVICTED-HAS-HOST": evicted_mid_backup,
+    "INV-DEVICE-PREFIX-CLOSED": device_hole,
+    "INV-BACKUP-CONTIGUOUS": backup_gap,
+    "INV-LOCK-ON-DEVICE": locked_on_host,
+    "INV-LOCK-MONOTONE": child_outlocks_parent,
+    "INV-ACCOUNTING": counter_drift,
+    "INV-DEVICE-POOL-CONSERVATION": lost_device_slot,
+    "INV-HOST-POOL-CONSERVATION": host_slot_owned_twice,
+    "INV-DEVICE-EVICTABLE-LEAVES": evictable_but_no_leaf,
+    "INV-HOST-EVICTABLE-LEAVES": host_leaf_stuck,
+    "INV-HOST-PROTECT": protected_without_copy,
+    "INV-TRANSFER-PINNED": source_moved,
+    "INV-KV-INTEGRITY": wrong_bytes,
+    "INV-NAMESPACE-ISOLATION": foreign_namespace,
+    "INV-CLOCK-MONOTONE": tick_from_future,
+}

@@ -1,0 +1,340 @@
+"""The model alone under random operation sequences (tests/ of issue #2).
+
+Small alphabets so prefixes collide, small capacities so both tiers fill up. Every step
+checks every invariant; every nondeterministic choice comes from the reference choosers
+(legal), and dedicated rules perturb a legal choice into an illegal one and require the
+model to reject it without touching its state.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hiradix_model import (
+    STRATEGIES,
+    WRITE_POLICIES,
+    Backup,
+    Config,
+    IllegalChoice,
+    Key,
+    MatchResult,
+    PreconditionError,
+    State,
+    Victim,
+    check,
+    choosers,
+    initial,
+    ops,
+    violations,
+)
+from hiradix_model.keys import parent_page
+from hiradix_model.state import device_evictable_leaves, host_evictable_leaves, transfer_locks
+from hiradix_model.strategies import eviction_key
+
+from stats import RUNS
+
+keys = st.builds(
+    Key,
+    st.lists(st.integers(1, 3), max_size=12).map(tuple),
+    st.sampled_from([None, None, "b"]),
+)
+seeds = st.integers(0, 2**16)
+
+
+class ModelMachine(RuleBasedStateMachine):
+    state: State
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0
+        self.caller_locks: list[Key | None] = []
+        self.holdings: list[tuple[int, ...]] = []
+        RUNS["examples"] += 1
+
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]),
+        policy=st.sampled_from(WRITE_POLICIES),
+        strategy=st.sampled_from(STRATEGIES),
+        device_pages=st.integers(2, 6),
+        host_pages=st.integers(1, 8),
+        threshold_pages=st.integers(0, 3),
+    )
+    def start(self, page_size: int, policy: str, strategy: str, device_pages: int,
+              host_pages: int, threshold_pages: int) -> None:
+        self.state = initial(Config(
+            page_size=page_size, device_slots=device_pages * page_size,
+            host_slots=host_pages * page_size, write_policy=policy,  # type: ignore[arg-type]
+            eviction=strategy, load_back_threshold=threshold_pages * page_size,  # type: ignore[arg-type]
+        ))
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def apply(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
+              **kwargs: object) -> object:
+        self.state, observation = op(self.state, *args, **kwargs)
+        RUNS["steps"] += 1
+        RUNS[name] += 1
+        return observation
+
+    def rejects(self, error: type[Exception], op: Callable[..., object], *args: object,
+                **kwargs: object) -> None:
+        """The op must raise ``error`` and leave its input state exactly as it was."""
+        before = copy.deepcopy(self.state)
+        with pytest.raises(error):
+            op(self.state, *args, **kwargs)
+        assert self.state == before
+        RUNS["rejected"] += 1
+
+    def tick(self, dt: int) -> int:
+        self.now += dt
+        return self.now
+
+    def pages(self, want: Callable[[object], bool]) -> list[Key]:
+        return sorted((k for k, p in self.state.pages.items() if want(p)), key=repr)
+
+    # -- legal operations ------------------------------------------------------------
+
+    @rule(key=keys, dt=st.integers(0, 2))
+    def match(self, key: Key, dt: int) -> None:
+        result = self.apply("match_prefix", ops.match_prefix, key, self.tick(dt))
+        assert isinstance(result, MatchResult)
+        assert len(result.device_slots) % self.state.config.page_size == 0
+
+    @rule(batch=st.lists(keys, min_size=1, max_size=3), dt=st.integers(0, 2), seed=seeds,
+          chunked=st.booleans(), priority=st.integers(0, 2), keep_lock=st.booleans())
+    def requests(self, batch: list[Key], dt: int, seed: int, chunked: bool, priority: int,
+                 keep_lock: bool) -> None:
+        for key in batch:
+            self.request(key, dt, random.Random(seed), chunked, priority, keep_lock)
+
+    def request(self, key: Key, dt: int, rng: random.Random, chunked: bool, priority: int,
+                keep_lock: bool) -> None:
+        match = self.apply("match_prefix", ops.match_prefix, key, self.tick(dt))
+        assert isinstance(match, MatchResult)
+        if match.host_hit_tokens and match.last_host_page is not None:
+            self.load(match.last_host_page, None, rng)
+            match = self.apply("match_prefix", ops.match_prefix, key, self.tick(dt))
+            assert isinstance(match, MatchResult)
+        self.apply("inc_lock_ref", ops.inc_lock_ref, match.last_device_page)
+        cached = len(match.device_slots)
+        need = len(key.tokens) - cached
+        if need > len(self.state.device_free):
+            short = need - len(self.state.device_free)
+            self.apply("evict", ops.evict, short, choosers.choose_evict(self.state, short, rng))
+        if need <= len(self.state.device_free):
+            new = tuple(rng.sample(sorted(self.state.device_free), need))
+            self.apply("alloc", ops.alloc, key, cached, new)
+            slots = match.device_slots + new
+            now = self.tick(dt)
+            backup = choosers.choose_insert_backup(self.state, key, slots, now, rng,
+                                                   priority=priority, chunked=chunked)
+            result = self.apply("insert", ops.insert, key, slots, now, priority=priority,
+                                chunked=chunked, backup=backup)
+            assert isinstance(result, ops.InsertResult)
+            assert result.prefix_tokens == cached
+            self.apply("free", ops.free, tuple(s for s in new if s in self.state.held))
+        if keep_lock:
+            self.caller_locks.append(match.last_device_page)
+        else:
+            self.apply("dec_lock_ref", ops.dec_lock_ref, match.last_device_page)
+
+    @rule(data=st.data())
+    def lock(self, data: st.DataObject) -> None:
+        candidates = self.pages(lambda p: p.device is not None)
+        if candidates:
+            page = data.draw(st.sampled_from(candidates))
+            self.apply("inc_lock_ref", ops.inc_lock_ref, page)
+            self.caller_locks.append(page)
+
+    @precondition(lambda self: bool(self.caller_locks))
+    @rule(data=st.data())
+    def unlock(self, data: st.DataObject) -> None:
+        index = data.draw(st.integers(0, len(self.caller_locks) - 1))
+        self.apply("dec_lock_ref", ops.dec_lock_ref, self.caller_locks.pop(index))
+
+    @rule(key=keys, seed=seeds)
+    def hold(self, key: Key, seed: int) -> None:
+        count = min(len(key.tokens), len(self.state.device_free))
+        slots = tuple(random.Random(seed).sample(sorted(self.state.device_free), count))
+        self.apply("alloc", ops.alloc, key, 0, slots)
+        self.holdings.append(slots)
+
+    @precondition(lambda self: bool(self.holdings))
+    @rule()
+    def release(self) -> None:
+        self.apply("free", ops.free, self.holdings.pop())
+
+    @rule(num_tokens=st.integers(0, 12), seed=seeds)
+    def evict(self, num_tokens: int, seed: int) -> None:
+        victims = choosers.choose_evict(self.state, num_tokens, random.Random(seed))
+        before = len(self.state.device_free)
+        evicted = self.apply("evict", ops.evict, num_tokens, victims)
+        assert evicted == len(self.state.device_free) - before
+
+    @rule(num_tokens=st.integers(0, 12), seed=seeds)
+    def evict_host(self, num_tokens: int, seed: int) -> None:
+        victims = choosers.choose_evict_host(self.state, num_tokens, random.Random(seed))
+        self.apply("evict_host", ops.evict_host, num_tokens, victims)
+
+    @rule(data=st.data(), seed=seeds)
+    def write_backup(self, data: st.DataObject, seed: int) -> None:
+        candidates = self.pages(lambda p: p.device is not None and p.host is None)
+        if candidates:
+            page = data.draw(st.sampled_from(candidates))
+            report = choosers.choose_write_backup(self.state, page, random.Random(seed))
+            self.apply("write_backup", ops.write_backup, page, report)
+
+    @rule(data=st.data())
+    def writing_check(self, data: st.DataObject) -> None:
+        queued = sum(t.direction == "d2h" for t in self.state.pending)
+        self.apply("writing_check", ops.writing_check, data.draw(st.integers(0, queued)))
+
+    @rule(data=st.data())
+    def loading_check(self, data: st.DataObject) -> None:
+        queued = sum(t.direction == "h2d" for t in self.state.pending)
+        self.apply("loading_check", ops.loading_check, data.draw(st.integers(0, queued)))
+
+    @rule(data=st.data(), quota=st.none() | st.integers(0, 16), seed=seeds)
+    def load_back(self, data: st.DataObject, quota: int | None, seed: int) -> None:
+        candidates = self.pages(lambda p: p.device is None)
+        if candidates:
+            self.load(data.draw(st.sampled_from(candidates)), quota, random.Random(seed))
+
+    def load(self, page: Key, quota: int | None, rng: random.Random) -> None:
+        victims, slots = choosers.choose_load(self.state, page, quota, rng)
+        loaded, _ = self.apply("init_load_back", ops.init_load_back, page, quota,  # type: ignore[misc]
+                               device_victims=victims, device_slots=slots)
+        RUNS["loads that copied"] += bool(loaded)
+
+    @rule(go=st.integers(0, 9))
+    def reset(self, go: int) -> None:
+        if go == 0:
+            self.apply("reset", ops.reset)
+            self.caller_locks.clear()
+            self.holdings.clear()
+
+    # -- illegal choices and bad arguments: rejected, state untouched -------------------
+
+    def _rank(self, state: State, page: Key) -> tuple[int, ...]:
+        return eviction_key(state.config.eviction, state.pages[page])
+
+    @rule(num_tokens=st.integers(1, 12), seed=seeds)
+    def illegal_evict_order(self, num_tokens: int, seed: int) -> None:
+        leaves = device_evictable_leaves(self.state)
+        if not leaves:
+            return
+        best = min(self._rank(self.state, k) for k in leaves)
+        worse = sorted((k for k in leaves if self._rank(self.state, k) > best), key=repr)
+        if worse:
+            self.rejects(IllegalChoice, ops.evict, num_tokens, (Victim(worse[0]),))
+
+    @rule(num_tokens=st.integers(1, 12), seed=seeds)
+    def illegal_evict_short(self, num_tokens: int, seed: int) -> None:
+        victims = choosers.choose_evict(self.state, num_tokens, random.Random(seed),
+                                        overshoot=False)
+        if victims and self.state.config.page_size * (len(victims) - 1) < num_tokens:
+            self.rejects(IllegalChoice, ops.evict, num_tokens, victims[:-1])
+
+    @rule(num_tokens=st.integers(0, 12), seed=seeds)
+    def illegal_evict_extra(self, num_tokens: int, seed: int) -> None:
+        victims = choosers.choose_evict(self.state, num_tokens, random.Random(seed),
+                                        overshoot=False)
+        after, evicted = ops.evict(self.state, num_tokens, victims)
+        if evicted < num_tokens:
+            return
+        last = victims[-1].page if victims else None
+        chain = None if last is None else parent_page(last, self.state.config.page_size)
+        extra = sorted((k for k in device_evictable_leaves(after) if k != chain), key=repr)
+        if extra and after.config.write_policy != "write_back":
+            self.rejects(IllegalChoice, ops.evict, num_tokens, (*victims, Victim(extra[0])))
+
+    @rule(num_tokens=st.integers(1, 12))
+    def illegal_evict_host_order(self, num_tokens: int) -> None:
+        leaves = host_evictable_leaves(self.state)
+        if not leaves:
+            return
+        best = min(self._rank(self.state, k) for k in leaves)
+        worse = sorted((k for k in leaves if self._rank(self.state, k) > best), key=repr)
+        if worse:
+            self.rejects(IllegalChoice, ops.evict_host, num_tokens, (worse[0],))
+
+    @rule(key=keys, seed=seeds, mutation=st.sampled_from(["omit", "foreign", "fail", "extra"]))
+    def illegal_backup_report(self, key: Key, seed: int, mutation: str) -> None:
+        match = ops.match_prefix(self.state, key, self.now)[1]
+        new = tuple(sorted(self.state.device_free)[: len(key.tokens) - len(match.device_slots)])
+        if len(match.device_slots) + len(new) < len(key.tokens):
+            return
+        state, _ = ops.alloc(self.state, key, len(match.device_slots), new)
+        slots = match.device_slots + new
+        report = choosers.choose_insert_backup(state, key, slots, self.now,
+                                               random.Random(seed))
+        if report is None:
+            if mutation != "extra":
+                return
+            bad: Backup | None = Backup((), tuple(sorted(state.host_free)[:1]))
+        elif mutation == "omit":
+            bad = None
+        elif mutation == "foreign" and report.host_slots is not None:
+            bad = Backup(report.host_victims, (state.config.host_slots,) * len(report.host_slots))
+        elif mutation == "fail" and report.host_slots is not None:
+            bad = Backup(report.host_victims, None)  # claims no room where there was room
+        else:
+            return
+        before = copy.deepcopy(state)
+        with pytest.raises(IllegalChoice):
+            ops.insert(state, key, slots, self.now, backup=bad)
+        assert state == before
+        RUNS["rejected"] += 1
+
+    @rule(data=st.data(), seed=seeds, mutation=st.sampled_from(["taken", "fail", "skip"]))
+    def illegal_load(self, data: st.DataObject, seed: int, mutation: str) -> None:
+        candidates = self.pages(lambda p: p.device is None)
+        if not candidates:
+            return
+        page = data.draw(st.sampled_from(candidates))
+        victims, slots = choosers.choose_load(self.state, page, None, random.Random(seed))
+        if slots is None:
+            if mutation == "skip" and not victims:
+                # Reporting a load the spec forbids (too small, or no room).
+                taken = tuple(sorted(self.state.device_free))
+                self.rejects(IllegalChoice, ops.load_back, page, None,
+                             device_slots=taken or (0,))
+            return
+        if mutation == "taken":
+            owned = [s for p in self.state.pages.values() for s in p.device or ()]
+            if owned:
+                bad = (owned[0], *slots[1:])
+                self.rejects(IllegalChoice, ops.load_back, page, None,
+                             device_victims=victims, device_slots=bad)
+        elif mutation == "fail" and not victims:
+            self.rejects(IllegalChoice, ops.load_back, page, None, device_slots=None)
+
+    @rule()
+    def bad_arguments(self) -> None:
+        pending = len(self.state.pending)
+        self.rejects(PreconditionError, ops.writing_check, pending + 1)
+        self.rejects(PreconditionError, ops.loading_check, -1)
+        self.rejects(PreconditionError, ops.evict, -1, ())
+        self.rejects(PreconditionError, ops.match_prefix, Key((1,)), self.state.clock - 1)
+        free_slot = sorted(self.state.device_free)[:1]
+        if free_slot:
+            self.rejects(PreconditionError, ops.free, tuple(free_slot))
+            self.rejects(PreconditionError, ops.insert, Key((1,)), tuple(free_slot), self.now)
+        for key, page in self.state.pages.items():
+            if page.lock == transfer_locks(self.state, key) and key not in self.caller_locks:
+                self.rejects(PreconditionError, ops.dec_lock_ref, key)
+                break
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if hasattr(self, "state"):
+            assert check(self.state) == (), violations(self.state)
+
+
+TestModel = ModelMachine.TestCase
