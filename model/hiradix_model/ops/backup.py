@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key
 from hiradix_model.ops._ack import acknowledge
 from hiradix_model.ops._draft import Draft, add_lock, require, require_key

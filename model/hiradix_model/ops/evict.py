@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key
 from hiradix_model.ops._draft import Draft, require
 from hiradix_model.ops._victims import (
@@ -16,7 +17,7 @@ from hiradix_model.ops._victims import (
     make_host_room,
     run_sequence,
 )
-from hiradix_model.state import State
+from hiradix_model.state import State, device_evictable_leaves  # noqa: F401 (contracts)
 
 
 @dataclass(frozen=True)

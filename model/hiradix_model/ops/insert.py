@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, content_at, page_aligned_length, page_keys
 from hiradix_model.ops._draft import Draft, require, require_key, require_slots, require_tick
 from hiradix_model.ops.backup import Backup, apply_backup, backup_run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key
 from hiradix_model.ops._draft import Draft, add_lock, require, require_key
 from hiradix_model.state import State, root_path, transfer_locks

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, page_keys
 from hiradix_model.ops._draft import Draft, require_key, require_tick
 from hiradix_model.state import State

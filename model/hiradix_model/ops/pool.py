@@ -9,6 +9,7 @@ pool conservation instead of an unaccounted difference.
 from __future__ import annotations
 
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, content_at
 from hiradix_model.ops._draft import Draft, require, require_key, require_slots, take
 from hiradix_model.state import State, initial
@@ -16,6 +17,9 @@ from hiradix_model.state import State, initial
 
 def alloc(state: State, key: Key, start: int, slots: tuple[int, ...]) -> tuple[State, None]:
     """Take free device ``slots`` and write into them the KV of ``key`` from ``start`` on.
+
+    Slots past the end of ``key`` are taken without KV: a page allocator hands out whole
+    pages, and the unused tail of the last one is the caller's until it frees it.
 
     pre: not check(state)
     post: not check(__return__[0])
@@ -25,13 +29,16 @@ def alloc(state: State, key: Key, start: int, slots: tuple[int, ...]) -> tuple[S
     require_key(key)
     require_slots(slots, "slots")
     require(isinstance(start, int) and start >= 0, "start", "must be an int >= 0")
-    require(start + len(slots) <= len(key.tokens), "slots", "run past the end of key")
+    require(start <= len(key.tokens), "start", "is past the end of key")
     require(set(slots) <= state.device_free, "slots", "are not all free device slots")
     draft = Draft(state)
     take(draft.device_free, slots)
     draft.held.update(slots)
     for offset, slot in enumerate(slots):
-        draft.device_kv[slot] = content_at(key, start + offset)
+        if start + offset < len(key.tokens):
+            draft.device_kv[slot] = content_at(key, start + offset)
+        else:
+            draft.device_kv.pop(slot, None)
     return draft.freeze(), None
 
 
