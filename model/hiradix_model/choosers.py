@@ -18,7 +18,7 @@ from hiradix_model.ops._victims import (
     evict_host_page,
     host_leaves,
 )
-from hiradix_model.ops.backup import Backup, apply_backup, backup_run, eligible
+from hiradix_model.ops.backup import Backup, apply_backup, backup_run, missing_suffix
 from hiradix_model.ops.evict import Victim, _evict_write_back
 from hiradix_model.ops.insert import insert_pages
 from hiradix_model.ops.load import _protect, plan_load
@@ -129,10 +129,12 @@ def choose_insert_backup(
     return _report_for(draft, backup_run(draft, due), rng)
 
 
-def choose_write_backup(state: State, page: Key, rng: random.Random) -> Backup | None:
+def choose_write_backup(state: State, page: Key, rng: random.Random) -> Backup:
     """The report for a standalone ``write_backup`` of ``page``."""
     draft = Draft(state)
-    return _report_for(draft, (page,) if eligible(draft, page) else (), rng)
+    report = _report_for(draft, missing_suffix(draft, page), rng)
+    assert report is not None  # the suffix holds at least ``page``
+    return report
 
 
 def choose_load(

@@ -104,11 +104,12 @@ def test_backup_waits_for_the_parent_copy() -> None:
     state, _ = ops.writing_check(state, 1)
     assert state.pages[Key((1,))].host is not None
     fresh = initial(config(write_policy="write_through_selective"))
-    fresh, _ = put(fresh, Key((1, 2)), 1)
-    with pytest.raises(IllegalChoice, match="no page is eligible"):
+    fresh, _ = put(fresh, Key((1, 2)), 1)  # one hit each: nothing is due yet
+    assert fresh.pending == ()
+    with pytest.raises(IllegalChoice, match="not 2 distinct"):
         ops.write_backup(fresh, Key((1, 2)), Backup((), (0,)))
-    fresh, issued = ops.write_backup(fresh, Key((1, 2)), None)
-    assert issued is False  # (1,) has no host copy yet: contiguity comes first
+    fresh, issued = ops.write_backup(fresh, Key((1, 2)), Backup((), (0, 1)))
+    assert issued and fresh.pages[Key((1,))].host == (0,)  # the parent comes along
 
 
 def test_backup_locks_the_source_until_acknowledged() -> None:

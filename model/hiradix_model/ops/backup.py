@@ -83,10 +83,11 @@ def apply_backup(draft: Draft, run: Sequence[Key], report: Backup | None, what: 
     return True
 
 
-def write_backup(state: State, page: Key, report: Backup | None) -> tuple[State, bool]:
-    """Start backing up one page to host; False if it is not eligible or found no room.
+def write_backup(state: State, page: Key, report: Backup) -> tuple[State, bool]:
+    """Back up ``page`` and the pages above it that lack a host copy; False if no room.
 
-    ``report`` is None exactly when the page is not eligible (its parent has no host copy).
+    The run is the longest suffix of ``page``'s root path without host copies, so its
+    first page's parent always has one (INV-BACKUP-CONTIGUOUS holds by construction).
 
     pre: not check(state)
     post: not check(__return__[0])
@@ -99,11 +100,20 @@ def write_backup(state: State, page: Key, report: Backup | None) -> tuple[State,
     assert record is not None
     require(record.device is not None, "page", "is not on device")
     require(record.host is None, "page", "already has a host copy")
-    require(report is None or isinstance(report, Backup), "report", "must be a Backup or None")
+    require(isinstance(report, Backup), "report", "must be a Backup")
     draft = Draft(state)
-    run = (page,) if eligible(draft, page) else ()
-    issued = apply_backup(draft, run, report, "report")
-    return (draft.freeze(), True) if issued else (draft.freeze() if run else state, False)
+    issued = apply_backup(draft, missing_suffix(draft, page), report, "report")
+    return draft.freeze(), issued
+
+
+def missing_suffix(draft: Draft, page: Key) -> tuple[Key, ...]:
+    """The pages at the end of ``page``'s root path that have no host copy, root-most first."""
+    run = []
+    for key in draft.path(page):
+        if draft.page(key).host is not None:
+            break
+        run.append(key)
+    return tuple(reversed(run))
 
 
 def writing_check(state: State, count: int) -> tuple[State, int]:

@@ -42,6 +42,7 @@ def insert(
     require_slots(slots, "slots")
     require(len(slots) == len(key.tokens), "slots", "must hold one slot per token of key")
     require(isinstance(priority, int), "priority", "must be an int")
+    require(backup is None or isinstance(backup, Backup), "backup", "must be a Backup or None")
     draft = Draft(state)
     require_tick(draft, now)
     pages = page_keys(key, draft.ps)
