@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 setup: $(VENV)/.installed
 
 check: setup
-	$(BIN)/hiradix-model-check
+	$(BIN)/hiradix check
 
 test: setup
 	$(BIN)/python -m pytest

@@ -1,0 +1,5 @@
+import sys
+
+from hiradix.cli import main
+
+sys.exit(main())

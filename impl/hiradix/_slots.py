@@ -1,0 +1,191 @@
+"""The page allocator shared by both KV pools, and the argument checks they share.
+
+A pool's slots are the integers ``0 .. num_slots - 1`` (one slot holds one token's KV);
+they are handed out and taken back in whole pages of ``page_size`` consecutive slots, page
+``p`` being slots ``[p * page_size, (p + 1) * page_size)``. Bookkeeping is per page, so
+``alloc`` and ``free`` cost O(pages), and slot tensors are built with ``torch.arange``.
+
+Every check runs before any change: a call that raises ``SlotError`` leaves the allocator
+(and the pool using it) exactly as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hiradix.errors import SlotError
+
+__all__ = ["PageAllocator", "SlotError"]
+
+
+def is_int(value: object) -> bool:
+    """True for a Python ``int`` that is not a ``bool`` (``True`` is no slot count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(value: object, argument: str, *, minimum: int) -> int:
+    """Return ``value`` if it is an int >= ``minimum``, else raise ``SlotError(argument)``."""
+    if not is_int(value):
+        raise SlotError(argument, f"must be an int, got {type(value).__name__}")
+    assert isinstance(value, int)
+    if value < minimum:
+        raise SlotError(argument, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def describe(value: object) -> str:
+    """A short description of a would-be slot tensor, for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor"
+    return type(value).__name__
+
+
+def check_slot_tensor(slots: object, argument: str, num_slots: int, *,
+                      unique: bool = False) -> torch.Tensor:
+    """Validate a tensor of slot ids of a pool with ``num_slots`` slots; return it on CPU.
+
+    It must be a 1-D ``torch.int64`` tensor (any device; a CUDA one is copied to CPU to be
+    checked), every entry in ``[0, num_slots)``, and with ``unique`` no entry twice (a copy
+    destination: two writes to one slot would race).
+    """
+    if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
+        raise SlotError(argument, f"must be a 1-D torch.int64 tensor, got {describe(slots)}")
+    cpu = slots.cpu()
+    if cpu.numel() == 0:
+        return cpu
+    low, high = int(cpu.min()), int(cpu.max())
+    if low < 0 or high >= num_slots:
+        bad = low if low < 0 else high
+        raise SlotError(argument, f"slot {bad} is out of range [0, {num_slots})")
+    if unique and torch.unique(cpu).numel() != cpu.numel():
+        values, counts = torch.unique(cpu, return_counts=True)
+        twice = int(values[counts > 1][0])
+        raise SlotError(argument, f"holds slot {twice} more than once")
+    return cpu
+
+
+class PageAllocator:
+    """Free/allocated bookkeeping for ``num_slots`` slots in pages of ``page_size``.
+
+    The free pages form a stack (LIFO): ``alloc`` hands out the most recently freed pages
+    first, in the order they were freed, and a fresh allocator hands out pages 0, 1, 2, ...
+    Reusing freed pages at once is deliberate: a slot used after its free is then
+    overwritten as early as possible, so such bugs show up in tests.
+    """
+
+    def __init__(self, num_slots: int, page_size: int) -> None:
+        check_int(page_size, "page_size", minimum=1)
+        check_int(num_slots, "num_slots", minimum=1)
+        if num_slots % page_size:
+            raise SlotError("num_slots", f"must be a multiple of page_size {page_size}, "
+                                         f"got {num_slots}")
+        self._num_slots = num_slots
+        self._page_size = page_size
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._allocated = torch.zeros(num_slots // page_size, dtype=torch.bool)
+        self._free_pages: list[int] = []  # the top of the stack is the end of the list
+        self.reset()
+
+    @property
+    def num_slots(self) -> int:
+        """Capacity, in slots."""
+        return self._num_slots
+
+    @property
+    def page_size(self) -> int:
+        """Slots per page."""
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Capacity, in pages."""
+        return self._num_slots // self._page_size
+
+    @property
+    def num_free_slots(self) -> int:
+        """Free capacity, in slots (always whole pages)."""
+        return len(self._free_pages) * self._page_size
+
+    def reset(self) -> None:
+        """Free every page; the next ``alloc`` starts again from page 0."""
+        self._allocated.zero_()
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+
+    def _slots_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """The slot ids of ``pages`` (int64 page ids), page by page, each page in order."""
+        return (pages[:, None] * self._page_size + self._offsets).reshape(-1)
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate ``num_tokens`` slots as whole pages; None (and no change) if too few
+        pages are free. Returns an int64 CPU tensor of slot ids."""
+        check_int(num_tokens, "num_tokens", minimum=0)
+        if num_tokens % self._page_size:
+            raise SlotError("num_tokens", f"must be a multiple of page_size "
+                                          f"{self._page_size}, got {num_tokens}")
+        count = num_tokens // self._page_size
+        if count > len(self._free_pages):
+            return None
+        if count == 0:
+            return torch.empty(0, dtype=torch.int64)
+        taken = self._free_pages[-count:]
+        del self._free_pages[-count:]
+        taken.reverse()
+        pages = torch.tensor(taken, dtype=torch.int64)
+        self._allocated[pages] = True
+        return self._slots_of(pages)
+
+    def _check_free(self, slots: object) -> torch.Tensor:
+        """Validate a ``free`` argument; return its page ids (int64, CPU)."""
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
+            raise SlotError("slots", f"must be a 1-D torch.int64 tensor, got {describe(slots)}")
+        size = self._page_size
+        if slots.numel() % size:
+            raise SlotError("slots", f"length {slots.numel()} is not a multiple of page_size "
+                                     f"{size}")
+        groups = slots.cpu().reshape(-1, size)
+        out_of_range = (groups < 0) | (groups >= self._num_slots)
+        if bool(out_of_range.any()):
+            bad = int(groups[out_of_range][0])
+            raise SlotError("slots", f"slot {bad} is out of range [0, {self._num_slots}) "
+                                     "(not a slot of this pool)")
+        first = groups[:, 0]
+        whole = (first % size == 0) & (groups == first[:, None] + self._offsets).all(dim=1)
+        if not bool(whole.all()):
+            index = int((~whole).nonzero()[0])
+            raise SlotError("slots", f"entries [{index * size}, {(index + 1) * size}) "
+                                     f"= {groups[index].tolist()} are not one page's slots "
+                                     "in order")
+        pages = first // size
+        held = self._allocated[pages]
+        if not bool(held.all()):
+            page = int(pages[~held][0])
+            raise SlotError("slots", f"page {page} (slots from {page * size}) is not allocated "
+                                     "(double free, or never allocated)")
+        values, counts = torch.unique(pages, return_counts=True)
+        if bool((counts > 1).any()):
+            page = int(values[counts > 1][0])
+            raise SlotError("slots", f"page {page} appears more than once (double free)")
+        return pages
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return whole pages, given as their slots (any page order, each page's slots in
+        order); the whole call is checked before any page is freed."""
+        pages = self._check_free(slots)
+        if pages.numel() == 0:
+            return
+        self._allocated[pages] = False
+        self._free_pages.extend(reversed(pages.tolist()))
+
+    def is_allocated(self, slot: int) -> bool:
+        """Whether ``slot``'s page is allocated."""
+        check_int(slot, "slot", minimum=0)
+        if slot >= self._num_slots:
+            raise SlotError("slot", f"slot {slot} is out of range [0, {self._num_slots})")
+        return bool(self._allocated[slot // self._page_size])
+
+    def free_slots(self) -> frozenset[int]:
+        """Every free slot id (O(free slots); meant for invariant checks)."""
+        if not self._free_pages:
+            return frozenset()
+        pages = torch.tensor(self._free_pages, dtype=torch.int64)
+        return frozenset(self._slots_of(pages).tolist())

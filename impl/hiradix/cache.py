@@ -1,0 +1,669 @@
+"""HiRadixCache: the two-tier radix KV cache (spec/03 transcribed onto a radix tree).
+
+The tree holds token segments; each node's device and host slots are int64 tensors.
+Bookkeeping that SGLang keeps and ships bugs in is kept here explicitly and audited by
+``check_invariants()``: lock refs (INV-LOCK-MONOTONE), host protection counts
+(INV-HOST-PROTECT), the evictable/protected token counters (INV-ACCOUNTING), the two
+evictable-leaf sets (INV-DEVICE-/HOST-EVICTABLE-LEAVES) and the copies in flight
+(INV-TRANSFER-PINNED).
+
+Every public method validates its arguments before it changes anything, so a typed
+error from ``hiradix.errors`` leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from hiradix.clock import Clock, CountingClock
+from hiradix.config import CacheConfig
+from hiradix.decisions import BackupDecision, DeviceVictim, LoadDecision, PageRef, Recorder
+from hiradix.device_pool import DeviceKVPool
+from hiradix.distributed import LocalSync, RankSync
+from hiradix.errors import ForeignNode, InvalidArgument, NotLocked
+from hiradix.host_pool import HostKVPool
+from hiradix.keys import RadixKey, common_pages
+from hiradix.policies import backup_threshold, rank
+from hiradix.transfer import Direction, TransferEngine
+from hiradix.tree import TreeNode, split
+
+EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    device_slots: torch.Tensor  # slots of the leading run of device pages
+    last_device_node: TreeNode  # deepest node of that run (the root if none)
+    last_host_node: TreeNode  # deepest matched node with a host copy (the root if none)
+    host_hit_length: int  # tokens of matched host-only pages after the device run
+
+
+@dataclass
+class PendingCopy:
+    """A copy in flight: its tokens end at ``lock_node`` (the deepest page) and run up
+    the path from there; ``lock_node``'s root path is locked until acknowledged."""
+
+    ticket: int
+    seq: int  # issue order across both directions
+    lock_node: TreeNode
+    tokens: int
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+class HiRadixCache:
+    def __init__(
+        self,
+        config: CacheConfig,
+        device_pool: DeviceKVPool,
+        host_pool: HostKVPool,
+        engine: TransferEngine,
+        *,
+        clock: Clock | None = None,
+        sync: RankSync | None = None,
+        recorder: Recorder | None = None,
+    ) -> None:
+        if device_pool.page_size != config.page_size or host_pool.page_size != config.page_size:
+            raise InvalidArgument("device_pool/host_pool", "page sizes differ from the config")
+        self.config = config
+        self.page_size = config.page_size
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.engine = engine
+        self.clock: Clock = clock or CountingClock()
+        self.sync: RankSync = sync or LocalSync()
+        self.recorder = recorder
+        self._threshold = backup_threshold(config.write_policy)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+
+    def reset(self) -> None:
+        """Drop everything, including copies in flight and slots callers hold."""
+        self.engine.reset()
+        self.device_pool.reset()
+        self.host_pool.reset()
+        self.root = TreeNode(self, None, (), None)  # owns no slots, is never evicted
+        self.evictable_tokens = 0
+        self.protected_tokens = 0
+        self.device_leaves: set[TreeNode] = set()
+        self.host_leaves: set[TreeNode] = set()
+        self.pending: dict[Direction, deque[PendingCopy]] = {"d2h": deque(), "h2d": deque()}
+        self._issued = 0
+        self.last_tick = 0
+
+    def evictable_size(self) -> int:
+        return self.evictable_tokens
+
+    def protected_size(self) -> int:
+        return self.protected_tokens
+
+    def _now(self) -> int:
+        tick = self.clock.now()
+        if tick < self.last_tick:
+            raise InvalidArgument("clock", f"went backwards ({tick} < {self.last_tick})")
+        self.last_tick = tick
+        return tick
+
+    # Every change of a node's device presence or lock count goes through these two, so
+    # the counters cannot drift (INV-ACCOUNTING).
+    def _count(self, node: TreeNode, sign: int) -> None:
+        if node.device is not None:
+            if node.lock_ref == 0:
+                self.evictable_tokens += sign * len(node.tokens)
+            else:
+                self.protected_tokens += sign * len(node.tokens)
+
+    def _set_device(self, node: TreeNode, slots: torch.Tensor | None) -> None:
+        self._count(node, -1)
+        node.device = slots
+        self._count(node, +1)
+
+    def _add_lock(self, node: TreeNode, delta: int) -> int:
+        """Add ``delta`` to the lock of ``node`` and its ancestors; return evictable change."""
+        before = self.evictable_tokens
+        for n in node.path():
+            self._count(n, -1)
+            n.lock_ref += delta
+            self._count(n, +1)
+            self._refresh(n)
+        return self.evictable_tokens - before
+
+    def _refresh(self, node: TreeNode) -> None:
+        """Recompute ``node``'s membership of the two evictable-leaf sets."""
+        if node is self.root:
+            return
+        device_leaf = (node.device is not None and node.lock_ref == 0
+                       and not any(c.device is not None for c in node.children.values()))
+        host_leaf = (node.device is None and node.host is not None and node.host_ref == 0
+                     and node.lock_ref == 0 and not node.children)
+        (self.device_leaves.add if device_leaf else self.device_leaves.discard)(node)
+        (self.host_leaves.add if host_leaf else self.host_leaves.discard)(node)
+
+    def _refresh_around(self, node: TreeNode) -> None:
+        self._refresh(node)
+        if node.parent is not None:
+            self._refresh(node.parent)
+
+    def _page_refs(self, node: TreeNode) -> list[PageRef]:
+        """The node's pages as (namespace, full prefix), deepest first."""
+        prefix = node.prefix()
+        end = len(prefix)
+        start = end - len(node.tokens)
+        return [(node.namespace, prefix[:n])
+                for n in range(end, start, -self.page_size)]
+
+    # ------------------------------------------------------------------ validation
+
+    def _require_key(self, key: object) -> RadixKey:
+        if not isinstance(key, RadixKey):
+            raise InvalidArgument("key", f"must be a RadixKey, got {type(key).__name__}")
+        return key
+
+    def _require_node(self, node: object, argument: str = "node") -> TreeNode:
+        if not isinstance(node, TreeNode):
+            raise ForeignNode(argument, f"must be a TreeNode, got {type(node).__name__}")
+        if node.owner is not self:
+            raise ForeignNode(argument, f"{node!r} belongs to another cache")
+        cursor = node
+        while cursor.parent is not None:
+            if cursor.parent.children.get((cursor.namespace, cursor.tokens[:self.page_size])) \
+                    is not cursor:
+                raise ForeignNode(argument, f"{node!r} was removed from the cache")
+            cursor = cursor.parent
+        if cursor is not self.root:
+            raise ForeignNode(argument, f"{node!r} was removed from the cache (or reset)")
+        return node
+
+    def _require_slots(self, slots: object, length: int, argument: str) -> torch.Tensor:
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
+            raise InvalidArgument(argument, "must be a 1-D torch.int64 tensor")
+        if slots.numel() != length:
+            raise InvalidArgument(argument, f"must hold {length} slots, got {slots.numel()}")
+        return slots.to("cpu")
+
+    # ------------------------------------------------------------------ match
+
+    def _walk(self, key: RadixKey, stop_at: int) -> list[tuple[TreeNode, int]]:
+        """The nodes along ``key`` (without splitting) and how many tokens of each match."""
+        walked = []
+        node, start = self.root, 0
+        while start < stop_at:
+            child = node.children.get((key.namespace, key.tokens[start:start + self.page_size]))
+            if child is None:
+                break
+            matched = common_pages(child.tokens, key.tokens[:stop_at], start, self.page_size)
+            walked.append((child, matched))
+            if matched < len(child.tokens):
+                break
+            node, start = child, start + matched
+        return walked
+
+    def _descend(self, key: RadixKey, stop_at: int) -> list[TreeNode]:
+        """Like _walk, but split the last node where the key leaves it."""
+        nodes = []
+        for child, matched in self._walk(key, stop_at):
+            if matched < len(child.tokens):
+                child = split(child, matched, self.page_size)
+                self._refresh_around(child)
+            nodes.append(child)
+        return nodes
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """The longest cached page prefix of ``key``; stamps the matched pages (spec/03.2)."""
+        key = self._require_key(key)
+        now = self._now()
+        nodes = self._descend(key, key.aligned_length(self.page_size))
+        for node in nodes:
+            node.last_tick = now
+        on_device = [n for n in nodes if n.device is not None]
+        with_host = [n for n in nodes if n.host is not None]
+        return MatchResult(
+            device_slots=torch.cat([n.device for n in on_device]) if on_device else EMPTY,
+            last_device_node=on_device[-1] if on_device else self.root,
+            last_host_node=with_host[-1] if with_host else self.root,
+            host_hit_length=sum(len(n.tokens) for n in nodes if n.device is None),
+        )
+
+    # ------------------------------------------------------------------ insert
+
+    def _check_insert_slots(self, key: RadixKey, slots: torch.Tensor, aligned: int) -> None:
+        """Every slot is the cache's own slot at that position or held by the caller."""
+        owned = self._tree_device_slots()
+        reuse = torch.zeros(len(slots), dtype=torch.bool)
+        start = 0
+        for node, matched in self._walk(key, aligned):
+            if node.device is not None:
+                reuse[start:start + matched] = slots[start:start + matched] == \
+                    node.device[:matched]
+            start += matched
+        for position in range(len(slots)):
+            slot = int(slots[position])
+            if reuse[position]:
+                continue
+            if not 0 <= slot < self.device_pool.num_slots or slot in owned \
+                    or not self.device_pool.allocator.is_allocated(slot):
+                raise InvalidArgument(f"slots[{position}]",
+                                      f"slot {slot} is neither held by the caller nor the "
+                                      "cache's own slot for this position")
+        if len(set(slots.tolist())) != len(slots):
+            raise InvalidArgument("slots", "holds a slot twice")
+
+    def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
+               chunked: bool = False) -> int:
+        """Cache ``key`` (KV in ``slots``); return the tokens that were already cached.
+
+        The caller frees its own slots for those tokens (the duplicates) and for the
+        partial tail page. Pages that reach the policy's hit threshold are backed up.
+        """
+        key = self._require_key(key)
+        slots = self._require_slots(slots, len(key.tokens), "slots")
+        if not isinstance(priority, int):
+            raise InvalidArgument("priority", "must be an int")
+        aligned = key.aligned_length(self.page_size)
+        self._check_insert_slots(key, slots, aligned)
+        now = self._now()
+        touched = self._descend(key, aligned)
+        prefix = 0
+        start = 0
+        for node in touched:
+            node.last_tick = now
+            node.priority = max(node.priority, priority)
+            if node.device is not None:
+                prefix += len(node.tokens)
+                node.hits += 0 if chunked else 1
+            else:  # host-only: adopt the recomputed KV; not a hit, not a cached prefix
+                self._set_device(node, slots[start:start + len(node.tokens)].clone())
+                self._refresh_around(node)
+            start += len(node.tokens)
+        if start < aligned:
+            parent = touched[-1] if touched else self.root
+            node = TreeNode(self, key.namespace, key.tokens[start:aligned], parent, now, priority)
+            node.hits = 0 if chunked else 1
+            parent.children[(key.namespace, node.tokens[:self.page_size])] = node
+            self._set_device(node, slots[start:aligned].clone())
+            self._refresh_around(node)
+            touched.append(node)
+        if self._threshold is not None and not chunked:
+            due = [n for n in touched if n.hits >= self._threshold and n.host is None]
+            run = self._backup_run(due)
+            if run:
+                self._backup(run)
+        return prefix
+
+    # ------------------------------------------------------------------ backup
+
+    def _eligible(self, node: TreeNode) -> bool:
+        if node.device is None or node.host is not None:
+            return False
+        if self.config.write_policy == "write_back":
+            return True
+        return node.parent is self.root or (node.parent is not None and node.parent.host
+                                            is not None)
+
+    def _backup_run(self, due: list[TreeNode]) -> list[TreeNode]:
+        run: list[TreeNode] = []
+        for node in due:
+            if run and node.parent is run[-1]:
+                run.append(node)
+            elif run:
+                break
+            elif self._eligible(node):
+                run.append(node)
+        return run
+
+    def _backup(self, run: list[TreeNode]) -> bool:
+        """Back up ``run`` (a chain, root-most first) all or nothing, in one copy."""
+        need = sum(len(n.tokens) for n in run)
+        victims = self._make_host_room(need)
+        host = self.host_pool.alloc(need)
+        if host is None:
+            self._record_backup(victims, None)
+            return False
+        start = 0
+        for node in run:
+            node.host = host[start:start + len(node.tokens)].clone()
+            start += len(node.tokens)
+        source = torch.cat([n.device for n in run if n.device is not None])
+        ticket = self.engine.submit("d2h", source, host)
+        self._add_lock(run[-1], +1)  # the device source must outlive the copy
+        self._issued += 1
+        self.pending["d2h"].append(PendingCopy(ticket, self._issued, run[-1], need, source, host))
+        self._record_backup(victims, host)
+        return True
+
+    def _record_backup(self, victims: list[PageRef], host: torch.Tensor | None) -> None:
+        if self.recorder is not None:
+            self.recorder.backups.append(BackupDecision(
+                tuple(victims), None if host is None else tuple(host.tolist())))
+
+    def write_backup(self, node: TreeNode) -> bool:
+        """Back up ``node`` and the ancestors above it that lack a host copy, in one copy.
+
+        Returns False if the host has no room for them even after evicting on host.
+        """
+        node = self._require_node(node)
+        if node is self.root or node.device is None or node.host is not None:
+            raise InvalidArgument("node", "must be on device and not yet backed up")
+        run = [n for n in node.path() if n.host is None]
+        run = run[: next((i for i, n in enumerate(node.path()) if n.host is not None),
+                         len(run))]
+        return self._backup(run[::-1])
+
+    def writing_check(self) -> int:
+        """Acknowledge the device-to-host copies that finished (FIFO); return how many."""
+        return self._acknowledge("d2h")
+
+    def loading_check(self) -> int:
+        """Acknowledge the host-to-device copies that finished (FIFO); return how many."""
+        return self._acknowledge("h2d")
+
+    def _acknowledge(self, direction: Direction) -> int:
+        # Every rank acknowledges the same number of copies (the minimum finished).
+        count = self.sync.min(self.engine.finished(direction))
+        for ticket in self.engine.acknowledge(direction, count):
+            copy = self.pending[direction].popleft()
+            assert copy.ticket == ticket, (copy.ticket, ticket)
+            if direction == "h2d":
+                for node in self._copy_nodes(copy):
+                    node.host_ref -= 1
+                    self._refresh(node)
+            self._add_lock(copy.lock_node, -1)
+        return count
+
+    def _copy_nodes(self, copy: PendingCopy) -> list[TreeNode]:
+        """The nodes a copy covers: ``copy.tokens`` tokens up the path from its lock node.
+
+        Splits keep this exact: the lower part of a split keeps the node object.
+        """
+        nodes, covered = [], 0
+        for node in copy.lock_node.path():
+            if covered >= copy.tokens:
+                break
+            nodes.append(node)
+            covered += len(node.tokens)
+        assert covered == copy.tokens, (covered, copy.tokens)
+        return nodes
+
+    # ------------------------------------------------------------------ locks
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock ``node`` and its ancestors against eviction; return the evictable change."""
+        node = self._require_node(node)
+        if node is self.root:
+            return 0
+        if node.device is None:
+            raise InvalidArgument("node", f"{node!r} is not on device; load it back first")
+        return self._add_lock(node, +1)
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Release one caller lock taken by inc_lock_ref; return the evictable change."""
+        node = self._require_node(node)
+        if node is self.root:
+            return 0
+        held_by_copies = self._copy_locks()
+        for n in node.path():
+            if n.lock_ref - held_by_copies.get(n, 0) < 1:
+                raise NotLocked("node", f"{node!r}: no caller lock to release on {n!r}")
+        return self._add_lock(node, -1)
+
+    def _copy_locks(self) -> dict[TreeNode, int]:
+        """Locks on each node that copies in flight hold."""
+        held: dict[TreeNode, int] = {}
+        for queue in self.pending.values():
+            for copy in queue:
+                for n in copy.lock_node.path():
+                    held[n] = held.get(n, 0) + 1
+        return held
+
+    # ------------------------------------------------------------------ eviction
+
+    def _heap(self, leaves: Iterable[TreeNode]) -> list[tuple[tuple[int, ...], int, TreeNode]]:
+        heap = [(rank(self.config.eviction, n), n.id, n) for n in leaves]
+        heapq.heapify(heap)
+        return heap
+
+    def _push(self, heap: list[tuple[tuple[int, ...], int, TreeNode]], node: TreeNode) -> None:
+        heapq.heappush(heap, (rank(self.config.eviction, node), node.id, node))
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device tokens in rank order (or all evictable)."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidArgument("num_tokens", "must be an int >= 0")
+        evicted, victims = self._evict(num_tokens)
+        if self.recorder is not None:
+            self.recorder.device_victims.extend(victims)
+        return evicted
+
+    def _evict(self, target: int) -> tuple[int, list[DeviceVictim]]:
+        heap = self._heap(self.device_leaves)
+        evicted = 0
+        victims: list[DeviceVictim] = []
+        while evicted < target and heap:
+            _, _, node = heapq.heappop(heap)
+            if node not in self.device_leaves:
+                continue
+            parent = node.parent
+            assert parent is not None
+            if node.host is not None or self.config.write_policy != "write_back":
+                victims.extend(DeviceVictim(p) for p in self._page_refs(node))
+                evicted += self._drop_device_copy(node)
+            else:
+                if len(node.tokens) > self.page_size:
+                    # write_back moves one page at a time, so that a host that fills up
+                    # half way through a node drops only what did not fit.
+                    upper = split(node, len(node.tokens) - self.page_size, self.page_size)
+                    self._refresh_around(upper)
+                    parent = upper
+                victims.append(self._evict_write_back(node))
+                evicted += self.page_size
+            if parent in self.device_leaves:
+                self._push(heap, parent)
+        return evicted, victims
+
+    def _drop_device_copy(self, node: TreeNode) -> int:
+        assert node.device is not None and node.lock_ref == 0
+        freed = len(node.tokens)
+        self.device_pool.free(node.device)
+        if node.host is not None:
+            self._set_device(node, None)
+            self._refresh_around(node)
+        else:
+            assert not node.children, f"{node!r}: a device-only leaf with children"
+            self._set_device(node, None)
+            self._detach(node)
+        return freed
+
+    def _detach(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[(node.namespace, node.tokens[:self.page_size])]
+        self.device_leaves.discard(node)
+        self.host_leaves.discard(node)
+        node.parent = None
+        self._refresh(parent)
+
+    def _evict_write_back(self, node: TreeNode) -> DeviceVictim:
+        """Copy a one-page device leaf to host on its way out, or drop it if no room."""
+        page = self._page_refs(node)[0]
+        host_victims = self._make_host_room(self.page_size)
+        host = self.host_pool.alloc(self.page_size)
+        assert node.device is not None
+        if host is None:
+            self._drop_subtree(node)
+            return DeviceVictim(page, tuple(host_victims), None)
+        # Eviction under write_back waits for its copy (SGLang blocks in writing_check),
+        # so it copies directly rather than through the asynchronous engine.
+        self.host_pool.copy_from_device(self.device_pool, node.device, host)
+        node.host = host
+        self.device_pool.free(node.device)
+        self._set_device(node, None)
+        self._refresh_around(node)
+        return DeviceVictim(page, tuple(host_victims), tuple(host.tolist()))
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        stack, doomed = [node], []
+        while stack:
+            n = stack.pop()
+            doomed.append(n)
+            stack.extend(n.children.values())
+        assert not any(n.host_ref for n in doomed), "dropping a protected host copy"
+        for n in doomed:
+            if n.host is not None:
+                self.host_pool.free(n.host)
+                n.host = None
+            if n.device is not None:
+                self.device_pool.free(n.device)
+                self._set_device(n, None)
+            self.device_leaves.discard(n)
+            self.host_leaves.discard(n)
+        self._detach(node)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` host tokens of host-only pages (or all evictable)."""
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidArgument("num_tokens", "must be an int >= 0")
+        evicted, victims = self._evict_host(num_tokens)
+        if self.recorder is not None:
+            self.recorder.host_victims.extend(victims)
+        return evicted
+
+    def _make_host_room(self, need: int) -> list[PageRef]:
+        shortfall = need - self.host_pool.num_free_slots
+        return self._evict_host(shortfall)[1] if shortfall > 0 else []
+
+    def _evict_host(self, target: int) -> tuple[int, list[PageRef]]:
+        heap = self._heap(self.host_leaves)
+        evicted = 0
+        victims: list[PageRef] = []
+        while evicted < target and heap:
+            _, _, node = heapq.heappop(heap)
+            if node not in self.host_leaves:
+                continue
+            parent = node.parent
+            assert parent is not None and node.host is not None
+            victims.extend(self._page_refs(node))
+            self.host_pool.free(node.host)
+            evicted += len(node.tokens)
+            node.host = None
+            self._detach(node)
+            if parent in self.host_leaves:
+                self._push(heap, parent)
+        return evicted, victims
+
+    # ------------------------------------------------------------------ load back
+
+    def load_back(self, node: TreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
+        """Start copying the host-only chain ending at ``node`` to device, all or nothing.
+
+        Returns the device slots, or None when the load is below the threshold, over
+        ``mem_quota``, or finds no device room even after evicting.
+        """
+        node = self._require_node(node)
+        if node is self.root or node.device is not None:
+            raise InvalidArgument("node", "must be a node whose KV is only on host")
+        if mem_quota is not None and (not isinstance(mem_quota, int) or mem_quota < 0):
+            raise InvalidArgument("mem_quota", "must be None or an int >= 0")
+        chain = []
+        cursor: TreeNode = node
+        while cursor is not self.root and cursor.device is None:
+            chain.append(cursor)
+            assert cursor.parent is not None
+            cursor = cursor.parent
+        chain.reverse()
+        anchor = cursor
+        tokens = sum(len(n.tokens) for n in chain)
+        newly_locked = sum(len(n.tokens) for n in anchor.path() if n.lock_ref == 0)
+        if tokens < self.config.load_back_threshold or (
+                mem_quota is not None and tokens > mem_quota - newly_locked):
+            self._record_load([], None)
+            return None
+        for n in chain:  # host eviction while making room must not take the chain
+            n.host_ref += 1
+            self._refresh(n)
+        if anchor is not self.root:
+            self._add_lock(anchor, +1)
+        shortfall = tokens - self.device_pool.num_free_slots
+        victims = self._evict(shortfall)[1] if shortfall > 0 else []
+        if anchor is not self.root:
+            self._add_lock(anchor, -1)
+        device = self.device_pool.alloc(tokens)
+        if device is None:
+            for n in chain:
+                n.host_ref -= 1
+                self._refresh(n)
+            self._record_load(victims, None)
+            return None
+        start = 0
+        for n in chain:
+            self._set_device(n, device[start:start + len(n.tokens)].clone())
+            start += len(n.tokens)
+        for n in chain:
+            self._refresh_around(n)
+        source = torch.cat([n.host for n in chain if n.host is not None])
+        ticket = self.engine.submit("h2d", device, source)
+        self._add_lock(node, +1)  # released by loading_check
+        self._issued += 1
+        self.pending["h2d"].append(PendingCopy(ticket, self._issued, node, tokens, source, device))
+        self._record_load(victims, device)
+        return device
+
+    def _record_load(self, victims: list[DeviceVictim], device: torch.Tensor | None) -> None:
+        if self.recorder is not None:
+            self.recorder.loads.append(LoadDecision(
+                tuple(victims), None if device is None else tuple(device.tolist())))
+
+    def init_load_back(self, node: TreeNode,
+                       mem_quota: int | None = None) -> tuple[torch.Tensor, TreeNode]:
+        """Load ``node`` back if it is host-only; return the slots and the node to use."""
+        node = self._require_node(node)
+        if node is self.root or node.device is not None:
+            return EMPTY, node
+        loaded = self.load_back(node, mem_quota)
+        if loaded is not None:
+            return loaded, node
+        while node is not self.root and node.device is None:
+            assert node.parent is not None
+            node = node.parent
+        return EMPTY, node
+
+    # ------------------------------------------------------------------ inspection
+
+    def nodes(self) -> list[TreeNode]:
+        """Every node below the root, parents before children."""
+        order, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        return order
+
+    def _tree_device_slots(self) -> set[int]:
+        return {s for n in self.nodes() if n.device is not None for s in n.device.tolist()}
+
+    def check_invariants(self) -> None:
+        """Check every invariant of spec/05 on the concrete tree; raise InvariantViolation."""
+        from hiradix.checker import check
+
+        check(self)
+
+    def dump(self) -> str:
+        """The tree, one node per line, for error messages."""
+        lines = [f"evictable={self.evictable_tokens} protected={self.protected_tokens} "
+                 f"pending d2h={len(self.pending['d2h'])} h2d={len(self.pending['h2d'])}"]
+
+        def show(node: TreeNode, depth: int) -> None:
+            for child in node.children.values():
+                device = None if child.device is None else child.device.tolist()
+                host = None if child.host is None else child.host.tolist()
+                lines.append(f"{'  ' * depth}{child!r} device={device} host={host} "
+                             f"tick={child.last_tick}/{child.insert_tick} prio={child.priority}")
+                show(child, depth + 1)
+
+        show(self.root, 0)
+        return "\n".join(lines)

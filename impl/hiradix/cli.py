@@ -1,0 +1,164 @@
+"""``hiradix check``: the conformance state machine against the implementation.
+
+Runs the machine over a matrix of configurations for a budget (seconds or examples),
+with a progress bar on a terminal, then prints what was run: examples, steps,
+operations by kind, the configurations covered and, per invariant, how many checked
+steps gave it something to check. On a failure it prints the shrunk reproducer as a
+runnable script (and writes it with ``--reproducer``) and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+import time
+from collections.abc import Sequence
+
+from hypothesis import HealthCheck, settings
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import run_state_machine_as_test
+
+from hiradix.conformance.machine import EXERCISED, Tally, make_machine
+from hiradix.conformance.scenario import Scenario
+from hiradix.policies import STRATEGIES, WRITE_POLICIES
+
+DEFAULT_PAGE_SIZES = (1, 2, 4, 16)
+
+
+def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Sequence[str],
+           engine: str, device: str) -> list[Scenario]:
+    """Every combination, in an order that varies every axis early."""
+    combos = list(itertools.product(page_sizes, policies, strategies,
+                                    ("layer_first", "page_first"), ("mha", "mla")))
+    random.Random(0).shuffle(combos)
+    return [Scenario(page_size=ps, write_policy=policy, eviction=strategy,  # type: ignore[arg-type]
+                     host_layout=host, kv_layout=kv, engine=engine, device=device)  # type: ignore[arg-type]
+            for ps, policy, strategy, host, kv in combos]
+
+
+def reproducer(scenario: Scenario, report: list[str]) -> str:
+    steps = [line.strip() for line in report
+             if line.strip().startswith("state.") and "teardown" not in line]
+    lines = [
+        "# Reproducer written by `hiradix check`: run it with python.",
+        "from hiradix.conformance.machine import make_machine",
+        "from hiradix.conformance.scenario import Scenario",
+        "",
+        f"Machine = make_machine({scenario!r})",
+        "state = Machine()",
+        "state.refines_the_model()",
+        *steps,
+        "state.teardown()",
+        'print("no failure reproduced")',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _progress(done: float, tally: Tally) -> None:
+    if sys.stderr.isatty():
+        bar = "#" * int(30 * min(done, 1.0))
+        print(f"\r[{bar:<30}] {tally.examples} examples, {tally.steps} steps", end="",
+              file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
+                       args.device)
+    tally = Tally()
+    covered: set[Scenario] = set()
+    started = time.monotonic()
+    batch = settings(max_examples=args.batch, stateful_step_count=args.steps, deadline=None,
+                     database=None, suppress_health_check=list(HealthCheck),
+                     print_blob=False)
+    for index in itertools.count():
+        elapsed = time.monotonic() - started
+        if args.examples is not None and tally.examples >= args.examples:
+            break
+        if args.examples is None and elapsed >= args.seconds:
+            break
+        scenario = scenarios[index % len(scenarios)]
+        report: list[str] = []
+        try:
+            with with_reporter(report.append):
+                run_state_machine_as_test(make_machine(scenario, tally), settings=batch)
+        except Exception as failure:  # the reporting boundary: every
+            # failure of the machine (a disagreement, an invariant, an illegal choice, a
+            # crash) is a finding to print with its reproducer, then exit 1.
+            if sys.stderr.isatty():
+                print(file=sys.stderr)
+            # Hypothesis attaches the shrunk steps to the exception as notes; with several
+            # distinct failures it raises a group: report the first.
+            if isinstance(failure, ExceptionGroup):
+                failure = failure.exceptions[0]
+            script = reproducer(scenario, report + list(getattr(failure, "__notes__", [])))
+            print(f"FAILED on {scenario}\n{type(failure).__name__}: {failure}\n")
+            print("Shrunk reproducer:\n" + script)
+            if args.reproducer:
+                with open(args.reproducer, "w") as handle:
+                    handle.write(script)
+                print(f"(written to {args.reproducer})")
+            return 1
+        covered.add(scenario)
+        done = (tally.examples / args.examples if args.examples is not None
+                else (time.monotonic() - started) / args.seconds)
+        _progress(done, tally)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    summary(tally, covered, len(scenarios), time.monotonic() - started)
+    return 0
+
+
+def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) -> None:
+    print(f"hiradix check: {tally.examples} examples, {tally.steps} steps in {seconds:.1f} s, "
+          "0 failures")
+    axes = {
+        "page sizes": sorted({s.page_size for s in covered}),
+        "write policies": sorted({s.write_policy for s in covered}),
+        "eviction": sorted({s.eviction for s in covered}),
+        "host layouts": sorted({s.host_layout for s in covered}),
+        "kv layouts": sorted({s.kv_layout for s in covered}),
+    }
+    print(f"configurations: {len(covered)} of {total}")
+    for axis, values in axes.items():
+        print(f"  {axis}: {', '.join(map(str, values))}")
+    print("operations: " + ", ".join(f"{k}={v}" for k, v in sorted(tally.ops.items())))
+    print(f"invariants: all {len(EXERCISED)} checked after every step on the implementation "
+          "and the model; steps in which each had something to check:")
+    for spec_id in EXERCISED:
+        print(f"  {spec_id:<30} {tally.exercised[spec_id]}")
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hiradix", description="hiradix tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help=__doc__.splitlines()[0])
+    check.add_argument("--seconds", type=float, default=30.0, help="time budget (default 30)")
+    check.add_argument("--examples", type=int, default=None, help="budget in examples instead")
+    check.add_argument("--steps", type=int, default=40, help="steps per example")
+    check.add_argument("--batch", type=int, default=4,
+                       help="examples per configuration before moving to the next")
+    check.add_argument("--page-sizes", type=lambda v: [int(x) for x in v.split(",")],
+                       default=list(DEFAULT_PAGE_SIZES))
+    check.add_argument("--policies", type=lambda v: v.split(","), default=list(WRITE_POLICIES))
+    check.add_argument("--strategies", type=lambda v: v.split(","), default=list(STRATEGIES))
+    check.add_argument("--engine", choices=("controlled", "cuda"), default="controlled")
+    check.add_argument("--device", default="cpu")
+    check.add_argument("--reproducer", default=None, help="write the reproducer script here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    if args.engine == "cuda" and args.device == "cpu":
+        args = replace_namespace(args, device="cuda")
+    return run(args)
+
+
+def replace_namespace(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
+    values = vars(args) | changes
+    return argparse.Namespace(**values)
+
+
+__all__ = ["main", "matrix", "reproducer"]

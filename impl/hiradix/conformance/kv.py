@@ -1,0 +1,44 @@
+"""Test KV bytes that are a function of (namespace, prefix, layer).
+
+A slot holding the KV of token ``i`` of a request holds ``pattern(content, layer)`` in
+every layer, where ``content`` is the request's prefix up to token ``i`` (spec/01,
+"content_at"). Reading a slot back therefore says exactly whose KV it holds, and a slot
+freed or reused while a copy was in flight shows up as the wrong pattern.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from hiradix_model import Key
+
+MODULUS = 2039  # a prime below 2048: every value is exact in float16 and bfloat16
+
+
+def _seed(content: Key, layer: int) -> int:
+    digest = hashlib.blake2b(repr((content.namespace, content.tokens, layer)).encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def pattern(content: Key, layer: int, token_shape: tuple[int, ...],
+            dtype: torch.dtype) -> torch.Tensor:
+    """The KV one token of ``content`` has in ``layer``: distinct per element, so a
+    transposed or shifted copy does not match either."""
+    elements = 1
+    for size in token_shape:
+        elements *= size
+    seed = _seed(content, layer)
+    values = (seed + 7919 * torch.arange(elements, dtype=torch.int64)) % MODULUS - MODULUS // 2
+    return values.to(dtype).reshape(token_shape)
+
+
+def patterns(contents: list[Key], layers: int, token_shape: tuple[int, ...],
+             dtype: torch.dtype) -> torch.Tensor:
+    """``[layers, len(contents), *token_shape]``: what a pool's ``read`` should return."""
+    if not contents:
+        return torch.empty((layers, 0, *token_shape), dtype=dtype)
+    return torch.stack([torch.stack([pattern(c, layer, token_shape, dtype) for c in contents])
+                        for layer in range(layers)])

@@ -1,0 +1,359 @@
+"""The conformance state machine: the implementation and the model, step by step.
+
+One rule per public operation of the cache (plus rules that finish copies in flight, in
+an order the test picks). Every rule issues the operation to the implementation, turns
+the implementation's recorded choices into the model's choice arguments, and applies
+the model step, which rejects an illegal choice. After every step: the abstraction of
+the implementation equals the model state, every invariant holds on both, and every
+cached slot holds the KV bytes of its own prefix (INV-KV-INTEGRITY via the abstraction).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hiradix.cache import HiRadixCache
+from hiradix.clock import ManualClock
+from hiradix.conformance.abstraction import abstract, page_keys
+from hiradix.conformance.kv import patterns
+from hiradix.conformance.scenario import Scenario
+from hiradix.decisions import DeviceVictim, PageRef, Recorder
+from hiradix.errors import ForeignNode, InvalidArgument, NotLocked
+from hiradix.keys import RadixKey
+from hiradix.transfer import ControlledCopyEngine
+from hiradix.tree import TreeNode
+from hiradix_model import Backup, Config, Key, State, Victim, check, initial, ops, violations
+from hiradix_model.keys import content_at
+
+
+@dataclass
+class Tally:
+    """What a campaign did: for the summary of ``hiradix check``."""
+
+    examples: int = 0
+    steps: int = 0
+    ops: Counter[str] = field(default_factory=Counter)
+    exercised: Counter[str] = field(default_factory=Counter)  # steps where an ID had work
+
+
+# For the summary: a step exercises an invariant when the state gives it something to
+# check (a lock for the lock invariants, a copy in flight for INV-TRANSFER-PINNED, ...).
+EXERCISED: dict[str, Callable[[State], bool]] = {
+    "INV-TREE-WELL-FORMED": lambda s: any(len(k.tokens) > s.config.page_size for k in s.pages),
+    "INV-RESIDENT": lambda s: bool(s.pages),
+    "INV-EVICTED-HAS-HOST": lambda s: any(p.device is None for p in s.pages.values()),
+    "INV-DEVICE-PREFIX-CLOSED": lambda s: any(p.device is not None for p in s.pages.values()),
+    "INV-BACKUP-CONTIGUOUS": lambda s: s.config.write_policy != "write_back"
+    and any(p.host is not None for p in s.pages.values()),
+    "INV-LOCK-ON-DEVICE": lambda s: any(p.lock for p in s.pages.values()),
+    "INV-LOCK-MONOTONE": lambda s: any(p.lock for p in s.pages.values()),
+    "INV-ACCOUNTING": lambda s: s.evictable_tokens + s.protected_tokens > 0,
+    "INV-DEVICE-POOL-CONSERVATION": lambda s: bool(s.held) or bool(s.pages),
+    "INV-HOST-POOL-CONSERVATION": lambda s: any(p.host is not None for p in s.pages.values()),
+    "INV-DEVICE-EVICTABLE-LEAVES": lambda s: s.evictable_tokens > 0,
+    "INV-HOST-EVICTABLE-LEAVES": lambda s: any(p.device is None for p in s.pages.values()),
+    "INV-HOST-PROTECT": lambda s: any(p.host_protect for p in s.pages.values()),
+    "INV-TRANSFER-PINNED": lambda s: bool(s.pending),
+    "INV-KV-INTEGRITY": lambda s: bool(s.pages),
+    "INV-NAMESPACE-ISOLATION": lambda s: len({k.namespace for k in s.pages}) > 1,
+    "INV-CLOCK-MONOTONE": lambda s: bool(s.pages),
+}
+
+
+def to_key(ref: PageRef) -> Key:
+    return Key(ref[1], ref[0])
+
+
+def victims(decisions: list[DeviceVictim]) -> tuple[Victim, ...]:
+    return tuple(Victim(to_key(d.page), tuple(map(to_key, d.host_victims)), d.host_slots)
+                 for d in decisions)
+
+
+def describe_difference(impl: State, model: State) -> str:
+    lines = []
+    for f in fields(State):
+        a, b = getattr(impl, f.name), getattr(model, f.name)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b), key=repr):
+                if a.get(k) != b.get(k):
+                    lines.append(f"{f.name}[{k!r}]: impl {a.get(k)!r} != model {b.get(k)!r}")
+        else:
+            lines.append(f"{f.name}: impl {a!r} != model {b!r}")
+    return "\n".join(lines[:20])
+
+
+tokens = st.lists(st.integers(1, 3), max_size=14).map(tuple)
+namespaces = st.sampled_from([None, None, "b"])
+
+
+def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBasedStateMachine]:
+    """A state machine class for one configuration (page size, policies, layouts)."""
+    counts = tally if tally is not None else Tally()
+
+    class Conformance(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.recorder = Recorder()
+            self.clock = ManualClock()
+            self.cache = scenario.build(self.clock, self.recorder)
+            self.model = initial(scenario.model_config())
+            self.caller_locks: list[TreeNode] = []
+            self.holdings: list[torch.Tensor] = []
+            counts.examples += 1
+
+        # -- plumbing -----------------------------------------------------------------
+
+        def step(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
+                 **kwargs: object) -> object:
+            self.model, observation = op(self.model, *args, **kwargs)
+            counts.ops[name] += 1
+            counts.steps += 1
+            return observation
+
+        def page_of(self, node: TreeNode) -> Key | None:
+            if node is self.cache.root:
+                return None
+            return page_keys(node, self.cache.page_size)[-1]
+
+        def device_nodes(self) -> list[TreeNode]:
+            return sorted((n for n in self.cache.nodes() if n.device is not None),
+                          key=lambda n: n.id)
+
+        def same_match(self, got: object, want: ops.MatchResult) -> None:
+            assert got.device_slots.tolist() == list(want.device_slots)  # type: ignore[attr-defined]
+            assert self.page_of(got.last_device_node) == want.last_device_page  # type: ignore[attr-defined]
+            assert self.page_of(got.last_host_node) == want.last_host_page  # type: ignore[attr-defined]
+            assert got.host_hit_length == want.host_hit_tokens  # type: ignore[attr-defined]
+
+        def write_kv(self, key: Key, start: int, slots: torch.Tensor) -> None:
+            pool = self.cache.device_pool
+            contents = [content_at(key, start + i) for i in range(len(slots))]
+            pool.write(slots, patterns(contents, pool.layers, pool.token_shape, pool.dtype))
+
+        def evict_both(self, num_tokens: int) -> None:
+            self.cache.evict(num_tokens)
+            chosen = self.recorder.take().device_victims
+            self.step("evict", ops.evict, num_tokens, victims(chosen))
+
+        def load_both(self, node: TreeNode, quota: int | None) -> None:
+            loaded, used = self.cache.init_load_back(node, quota)
+            decisions = self.recorder.take().loads
+            choice = decisions[0] if decisions else None
+            result = self.step(
+                "init_load_back", ops.init_load_back, self.page_of(node), quota,
+                device_victims=victims(list(choice.device_victims)) if choice else (),
+                device_slots=choice.device_slots if choice else None)
+            want_slots, want_page = result  # type: ignore[misc]
+            assert loaded.tolist() == list(want_slots)
+            assert self.page_of(used) == want_page
+
+        # -- the operations ------------------------------------------------------------
+
+        @rule(tokens=tokens, namespace=namespaces, dt=st.integers(0, 2),
+              chunked=st.booleans(), priority=st.integers(0, 2), keep_lock=st.booleans(),
+              quota=st.none() | st.integers(0, 24))
+        def request(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
+                    chunked: bool, priority: int, keep_lock: bool, quota: int | None) -> None:
+            key, rkey = Key(tokens, namespace), RadixKey(tokens, namespace)
+            now = self.clock.advance(dt)
+            got = self.cache.match_prefix(rkey)
+            want = self.step("match_prefix", ops.match_prefix, key, now)
+            self.same_match(got, want)  # type: ignore[arg-type]
+            if want.host_hit_tokens and got.last_host_node is not self.cache.root:  # type: ignore[attr-defined]
+                self.load_both(got.last_host_node, quota)
+                got = self.cache.match_prefix(rkey)
+                want = self.step("match_prefix", ops.match_prefix, key, now)
+                self.same_match(got, want)  # type: ignore[arg-type]
+            locked = got.last_device_node
+            assert self.cache.inc_lock_ref(locked) == self.step(
+                "inc_lock_ref", ops.inc_lock_ref, self.page_of(locked))
+            cached = len(got.device_slots)
+            need = len(tokens) - cached
+            ps = self.cache.page_size
+            alloc_tokens = math.ceil(need / ps) * ps
+            free = self.cache.device_pool.num_free_slots
+            if alloc_tokens > free:
+                self.evict_both(alloc_tokens - free)
+            new = self.cache.device_pool.alloc(alloc_tokens)
+            if new is not None:
+                self.step("alloc", ops.alloc, key, cached, tuple(new.tolist()))
+                self.write_kv(key, cached, new[:need])
+                slots = torch.cat([got.device_slots, new[:need]])
+                now = self.clock.advance(dt)
+                prefix = self.cache.insert(rkey, slots, priority=priority, chunked=chunked)
+                made = self.recorder.take().backups
+                backup = Backup(tuple(map(to_key, made[0].host_victims)),
+                                made[0].host_slots) if made else None
+                result = self.step("insert", ops.insert, key, tuple(slots.tolist()), now,
+                                   priority=priority, chunked=chunked, backup=backup)
+                assert prefix == result.prefix_tokens  # type: ignore[attr-defined]
+                owned = self.cache._tree_device_slots()
+                leftover = [s for s in new.tolist() if s not in owned]
+                if leftover:
+                    self.cache.device_pool.free(torch.tensor(leftover, dtype=torch.int64))
+                    self.step("free", ops.free, tuple(leftover))
+            if keep_lock and locked is not self.cache.root:
+                self.caller_locks.append(locked)
+            else:
+                assert self.cache.dec_lock_ref(locked) == self.step(
+                    "dec_lock_ref", ops.dec_lock_ref, self.page_of(locked))
+
+        # Rules pick nodes by an index (not st.data()) so that a shrunk failure prints
+        # as a runnable script.
+        @rule(index=st.integers(0, 63))
+        def lock(self, index: int) -> None:
+            nodes = self.device_nodes()
+            if nodes:
+                node = nodes[index % len(nodes)]
+                assert self.cache.inc_lock_ref(node) == self.step(
+                    "inc_lock_ref", ops.inc_lock_ref, self.page_of(node))
+                self.caller_locks.append(node)
+
+        @precondition(lambda self: bool(self.caller_locks))
+        @rule(index=st.integers(0, 63))
+        def unlock(self, index: int) -> None:
+            node = self.caller_locks.pop(index % len(self.caller_locks))
+            assert self.cache.dec_lock_ref(node) == self.step(
+                "dec_lock_ref", ops.dec_lock_ref, self.page_of(node))
+
+        @rule(pages=st.integers(1, 3), tokens=tokens)
+        def hold(self, pages: int, tokens: tuple[int, ...]) -> None:
+            slots = self.cache.device_pool.alloc(pages * self.cache.page_size)
+            if slots is None:
+                return
+            key = Key(tokens)
+            self.step("alloc", ops.alloc, key, 0, tuple(slots.tolist()))
+            self.write_kv(key, 0, slots[: len(tokens)])
+            self.holdings.append(slots)
+
+        @precondition(lambda self: bool(self.holdings))
+        @rule()
+        def release(self) -> None:
+            slots = self.holdings.pop()
+            self.cache.device_pool.free(slots)
+            self.step("free", ops.free, tuple(slots.tolist()))
+
+        @rule(num_tokens=st.integers(0, 12))
+        def evict(self, num_tokens: int) -> None:
+            self.evict_both(num_tokens)
+
+        @rule(num_tokens=st.integers(0, 12))
+        def evict_host(self, num_tokens: int) -> None:
+            evicted = self.cache.evict_host(num_tokens)
+            chosen = self.recorder.take().host_victims
+            assert evicted == self.step("evict_host", ops.evict_host, num_tokens,
+                                        tuple(map(to_key, chosen)))
+
+        @rule(index=st.integers(0, 63))
+        def write_backup(self, index: int) -> None:
+            nodes = [n for n in self.device_nodes() if n.host is None]
+            if not nodes:
+                return
+            node = nodes[index % len(nodes)]
+            issued = self.cache.write_backup(node)
+            made = self.recorder.take().backups
+            report = Backup(tuple(map(to_key, made[0].host_victims)), made[0].host_slots)
+            assert issued == self.step("write_backup", ops.write_backup, self.page_of(node),
+                                       report)
+
+        @precondition(lambda self: isinstance(self.cache.engine, ControlledCopyEngine)
+                      and any(self.cache.pending.values()))
+        @rule(direction=st.sampled_from(["d2h", "h2d"]), count=st.integers(1, 3))
+        def finish_copies(self, direction: str, count: int) -> None:
+            engine = self.cache.engine
+            assert isinstance(engine, ControlledCopyEngine)
+            engine.complete(direction, min(count, engine.queued(direction)))  # type: ignore[arg-type]
+
+        @precondition(lambda self: bool(self.cache.pending["d2h"]))
+        @rule()
+        def writing_check(self) -> None:
+            acked = self.cache.writing_check()
+            self.step("writing_check", ops.writing_check, acked)
+
+        @precondition(lambda self: bool(self.cache.pending["h2d"]))
+        @rule()
+        def loading_check(self) -> None:
+            acked = self.cache.loading_check()
+            self.step("loading_check", ops.loading_check, acked)
+
+        @rule(index=st.integers(0, 63), quota=st.none() | st.integers(0, 24))
+        def load_back(self, index: int, quota: int | None) -> None:
+            nodes = sorted((n for n in self.cache.nodes() if n.device is None),
+                           key=lambda n: n.id)
+            if nodes:
+                self.load_both(nodes[index % len(nodes)], quota)
+
+        @rule(go=st.integers(0, 15))
+        def reset(self, go: int) -> None:
+            if go == 0:
+                self.cache.reset()
+                self.step("reset", ops.reset)
+                self.caller_locks.clear()
+                self.holdings.clear()
+
+        # -- misuse: a typed error, and the cache exactly as it was ---------------------
+
+        @rule(kind=st.sampled_from(["unlock", "slots", "negative", "load", "foreign"]))
+        def misuse(self, kind: str) -> None:
+            before = abstract(self.cache, self.model)
+            cache = self.cache
+            if kind == "unlock":
+                # A node on the path of any lock (the caller's or a copy's) holds a lock.
+                lockers = self.caller_locks + [c.lock_node for q in cache.pending.values()
+                                               for c in q]
+                busy = {id(p) for n in lockers for p in n.path()}
+                unlockable = [n for n in self.device_nodes() if id(n) not in busy]
+                if not unlockable:
+                    return
+                expect, call = NotLocked, lambda: cache.dec_lock_ref(unlockable[0])
+            elif kind == "slots":
+                expect, call = InvalidArgument, lambda: cache.insert(
+                    RadixKey((1, 2)), torch.tensor([0, 1], dtype=torch.int32))
+            elif kind == "negative":
+                expect, call = InvalidArgument, lambda: cache.evict(-1)
+            elif kind == "load":
+                nodes = self.device_nodes()
+                if not nodes:
+                    return
+                expect, call = InvalidArgument, lambda: cache.load_back(nodes[0])
+            else:
+                stranger = scenario.build(ManualClock(), None)
+                expect, call = ForeignNode, lambda: cache.inc_lock_ref(stranger.root)
+            try:
+                call()
+            except expect:
+                pass
+            else:
+                raise AssertionError(f"{kind}: no {expect.__name__} raised")
+            assert abstract(cache, self.model) == before, f"{kind} changed the cache"
+            counts.ops["misuse rejected"] += 1
+
+        # -- after every step -------------------------------------------------------------
+
+        @invariant()
+        def refines_the_model(self) -> None:
+            found = violations(self.model)
+            assert not found, f"the model broke its own invariants: {found}"
+            self.cache.check_invariants()
+            seen = abstract(self.cache, self.model)
+            if seen != self.model:
+                raise AssertionError("implementation and model disagree:\n"
+                                     + describe_difference(seen, self.model))
+            for spec_id, busy in EXERCISED.items():
+                if busy(self.model):
+                    counts.exercised[spec_id] += 1
+
+    Conformance.__name__ = f"Conformance_{scenario.slug()}"
+    return Conformance
+
+
+__all__ = ["Config", "HiRadixCache", "Scenario", "Tally", "check", "make_machine"]

@@ -1,0 +1,109 @@
+"""Radix tree nodes and the one structural edit that needs care: splitting.
+
+A node holds a segment of tokens (a whole number of pages) and, per tier, an int64
+tensor of slots (one per token) or None. Counters are per node; every page of a node
+shares them, which is what makes the abstraction to per-page state exact (spec/06).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from hiradix.keys import ChildKey
+
+_ids = itertools.count(1)
+
+
+class TreeNode:
+    __slots__ = (
+        "children",
+        "device",
+        "hits",
+        "host",
+        "host_ref",
+        "id",
+        "insert_tick",
+        "last_tick",
+        "lock_ref",
+        "namespace",
+        "owner",
+        "parent",
+        "priority",
+        "tokens",
+    )
+
+    def __init__(self, owner: object, namespace: str | None, tokens: tuple[int, ...],
+                 parent: TreeNode | None, tick: int = 0, priority: int = 0) -> None:
+        self.owner = owner  # the cache this node belongs to (foreign-node checks)
+        self.namespace = namespace
+        self.tokens = tokens  # this node's segment, a whole number of pages
+        self.parent = parent
+        self.children: dict[ChildKey, TreeNode] = {}
+        self.device: torch.Tensor | None = None  # int64 device slots, one per token
+        self.host: torch.Tensor | None = None  # int64 host slots, one per token
+        self.lock_ref = 0  # locks on this node or below it (INV-LOCK-MONOTONE)
+        self.host_ref = 0  # holders forbidding the host copy's release (INV-HOST-PROTECT)
+        self.hits = 0
+        self.last_tick = tick
+        self.insert_tick = tick
+        self.priority = priority
+        self.id = next(_ids)
+
+    def __repr__(self) -> str:
+        tiers = ("D" if self.device is not None else "-") + ("H" if self.host is not None else "-")
+        return (f"Node#{self.id}({self.namespace!r}, {list(self.tokens)}, {tiers}, "
+                f"lock={self.lock_ref}, host_ref={self.host_ref}, hits={self.hits})")
+
+    @property
+    def on_device(self) -> bool:
+        return self.device is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
+    def path(self) -> list[TreeNode]:
+        """This node and its ancestors below the root, deepest first."""
+        nodes = []
+        node: TreeNode | None = self
+        while node is not None and node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes
+
+    def prefix(self) -> tuple[int, ...]:
+        """The full token prefix that ends with this node."""
+        return tuple(itertools.chain.from_iterable(n.tokens for n in reversed(self.path())))
+
+
+def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
+    """Cut ``node`` after ``at`` tokens (a page multiple) and return the new upper part.
+
+    The original object keeps the *lower* part, so handles to the deepest node of an
+    in-flight copy (its lock node) stay valid and still mark the copy's end. Both parts
+    keep every counter: a lock, a host protection or a hit on the node was one on each of
+    its pages.
+    """
+    assert 0 < at < len(node.tokens) and at % page_size == 0, (at, len(node.tokens))
+    parent = node.parent
+    assert parent is not None
+    upper = TreeNode(node.owner, node.namespace, node.tokens[:at], parent)
+    upper.lock_ref = node.lock_ref
+    upper.host_ref = node.host_ref
+    upper.hits = node.hits
+    upper.last_tick = node.last_tick
+    upper.insert_tick = node.insert_tick
+    upper.priority = node.priority
+    if node.device is not None:
+        upper.device = node.device[:at].clone()
+        node.device = node.device[at:].clone()
+    if node.host is not None:
+        upper.host = node.host[:at].clone()
+        node.host = node.host[at:].clone()
+    parent.children[(node.namespace, node.tokens[:page_size])] = upper
+    node.tokens = node.tokens[at:]
+    node.parent = upper
+    upper.children[(node.namespace, node.tokens[:page_size])] = node
+    return upper

@@ -1,0 +1,103 @@
+"""The cache's public API on hand-built cases: typed errors leave it unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hiradix.clock import ManualClock
+from hiradix.conformance.scenario import Scenario
+from hiradix.distributed import TorchDistributedSync
+from hiradix.errors import ForeignNode, InvalidArgument, InvariantViolation, NotLocked
+from hiradix.keys import RadixKey
+
+
+def cache_with(tokens: tuple[int, ...], **changes: object):  # type: ignore[no-untyped-def]
+    cache = Scenario(**changes).build(ManualClock(1), None)  # type: ignore[arg-type]
+    slots = cache.device_pool.alloc(len(tokens))
+    assert slots is not None
+    cache.insert(RadixKey(tokens), slots)
+    return cache
+
+
+def snapshot(cache) -> str:  # type: ignore[no-untyped-def]
+    return cache.dump() + repr(sorted(cache.device_pool.free_slots())) + repr(
+        sorted(cache.host_pool.free_slots()))
+
+
+def test_match_insert_and_prefix_length() -> None:
+    cache = cache_with((1, 2, 3, 4))
+    match = cache.match_prefix(RadixKey((1, 2, 3, 9)))
+    assert len(match.device_slots) == 2 and match.host_hit_length == 0
+    more = cache.device_pool.alloc(2)
+    assert more is not None
+    slots = torch.cat([match.device_slots, more])
+    assert cache.insert(RadixKey((1, 2, 3, 9)), slots) == 2
+    cache.check_invariants()
+
+
+def test_namespaces_do_not_share_nodes() -> None:
+    cache = cache_with((1, 2))
+    assert len(cache.match_prefix(RadixKey((1, 2), "other")).device_slots) == 0
+
+
+@pytest.mark.parametrize(("call", "error", "argument"), [
+    (lambda c: c.insert(RadixKey((1, 2)), torch.tensor([0, 1], dtype=torch.int32)),
+     InvalidArgument, "slots"),
+    (lambda c: c.insert(RadixKey((5, 6)), torch.tensor([0], dtype=torch.int64)),
+     InvalidArgument, "slots"),
+    (lambda c: c.insert(RadixKey((5, 6)), torch.tensor([0, 1], dtype=torch.int64)),
+     InvalidArgument, "slots[0]"),  # the tree's own slots, at another position
+    (lambda c: c.insert((5, 6), torch.tensor([0, 1])), InvalidArgument, "key"),
+    (lambda c: c.evict(-1), InvalidArgument, "num_tokens"),
+    (lambda c: c.evict_host(1.5), InvalidArgument, "num_tokens"),
+    (lambda c: c.dec_lock_ref(c.nodes()[0]), NotLocked, "node"),
+    (lambda c: c.load_back(c.nodes()[0]), InvalidArgument, "node"),
+    (lambda c: c.inc_lock_ref("node"), ForeignNode, "node"),
+])
+def test_misuse_raises_a_typed_error_and_changes_nothing(call, error, argument) -> None:  # type: ignore[no-untyped-def]
+    cache = cache_with((1, 2, 3, 4), write_policy="write_back")
+    before = snapshot(cache)
+    with pytest.raises(error) as raised:
+        call(cache)
+    assert raised.value.argument == argument
+    assert snapshot(cache) == before
+    cache.check_invariants()
+
+
+def test_nodes_of_another_cache_or_after_reset_are_foreign() -> None:
+    cache, other = cache_with((1, 2)), cache_with((1, 2))
+    with pytest.raises(ForeignNode):
+        cache.inc_lock_ref(other.nodes()[0])
+    node = cache.nodes()[0]
+    cache.reset()
+    with pytest.raises(ForeignNode):
+        cache.inc_lock_ref(node)
+
+
+def test_a_copys_lock_is_not_the_callers() -> None:
+    cache = cache_with((1, 2))  # write_through: the backup locks the node
+    with pytest.raises(NotLocked):
+        cache.dec_lock_ref(cache.nodes()[0])
+    cache.engine.complete("d2h")  # type: ignore[attr-defined]
+    assert cache.writing_check() == 1
+    assert cache.nodes()[0].lock_ref == 0
+
+
+def test_check_invariants_names_the_spec_id_and_shows_the_tree() -> None:
+    cache = cache_with((1, 2))
+    cache.protected_tokens += 2
+    with pytest.raises(InvariantViolation) as raised:
+        cache.check_invariants()
+    assert raised.value.spec_id == "INV-ACCOUNTING"
+    assert "cache state" in str(raised.value) and "Node#" in str(raised.value)
+
+
+def test_rank_sync_over_torch_distributed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        assert TorchDistributedSync().min(7) == 7
+    finally:
+        dist.destroy_process_group()
