@@ -108,6 +108,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             self.model = initial(scenario.model_config())
             self.caller_locks: list[TreeNode] = []
             self.holdings: list[torch.Tensor] = []
+            self.seen: list[tuple[tuple[int, ...], str | None]] = []
             counts.examples += 1
 
         # -- plumbing -----------------------------------------------------------------
@@ -163,6 +164,27 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
               quota=st.none() | st.integers(0, 24))
         def request(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
                     chunked: bool, priority: int, keep_lock: bool, quota: int | None) -> None:
+            self.serve(tokens, namespace, dt, chunked, priority, keep_lock, quota)
+            self.seen.append((tokens, namespace))
+
+        # Returning requests are what makes host hits, load-backs and write-through
+        # selective backups frequent: a random key rarely repeats a long prefix.
+        @precondition(lambda self: bool(self.seen))
+        @rule(index=st.integers(0, 63), evict_first=st.integers(0, 24),
+              quota=st.none() | st.integers(0, 24))
+        def request_again(self, index: int, evict_first: int, quota: int | None) -> None:
+            tokens, namespace = self.seen[index % len(self.seen)]
+            engine = self.cache.engine
+            if evict_first and isinstance(engine, ControlledCopyEngine):
+                # Time passes: the backups in flight land, then the device fills up.
+                engine.complete("d2h", engine.queued("d2h"))
+                self.step("writing_check", ops.writing_check, self.cache.writing_check())
+            if evict_first:
+                self.evict_both(evict_first)
+            self.serve(tokens, namespace, 1, False, 0, False, quota)
+
+        def serve(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
+                  chunked: bool, priority: int, keep_lock: bool, quota: int | None) -> None:
             key, rkey = Key(tokens, namespace), RadixKey(tokens, namespace)
             now = self.clock.advance(dt)
             got = self.cache.match_prefix(rkey)
