@@ -15,7 +15,7 @@ import torch
 
 from hiradix.errors import SlotError
 
-__all__ = ["PageAllocator", "SlotError"]
+__all__ = ["PageAllocator", "SlotError", "SlotPool"]
 
 
 def is_int(value: object) -> bool:
@@ -189,3 +189,44 @@ class PageAllocator:
             return frozenset()
         pages = torch.tensor(self._free_pages, dtype=torch.int64)
         return frozenset(self._slots_of(pages).tolist())
+
+
+class SlotPool:
+    """What both KV pools share: a page allocator and the checks on their slot ids."""
+
+    allocator: PageAllocator
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` slots in whole pages, or None if too few are free."""
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free whole pages given as their slots (see ``PageAllocator.free``)."""
+        self.allocator.free(slots)
+
+    def free_slots(self) -> frozenset[int]:
+        """Every free slot id (for invariant checks)."""
+        return self.allocator.free_slots()
+
+    @property
+    def num_free_slots(self) -> int:
+        """Free capacity, in slots."""
+        return self.allocator.num_free_slots
+
+    def reset(self) -> None:
+        """Free every slot. The KV bytes are left as they are (nobody may read them)."""
+        self.allocator.reset()
+
+    def check_slots(self, slots: object, argument: str = "slots", *,
+                    unique: bool = False) -> torch.Tensor:
+        """Validate slot ids of this pool (1-D int64, in range; ``unique``: none twice);
+        return them on CPU."""
+        return check_slot_tensor(slots, argument, self.num_slots, unique=unique)

@@ -224,7 +224,8 @@ class HiRadixCache:
         on_device = [n for n in nodes if n.device is not None]
         with_host = [n for n in nodes if n.host is not None]
         return MatchResult(
-            device_slots=torch.cat([n.device for n in on_device]) if on_device else EMPTY,
+            device_slots=torch.cat([n.device for n in on_device if n.device is not None])
+            if on_device else EMPTY,
             last_device_node=on_device[-1] if on_device else self.root,
             last_host_node=with_host[-1] if with_host else self.root,
             host_hit_length=sum(len(n.tokens) for n in nodes if n.device is None),

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from hiradix._slots import PageAllocator, SlotError, check_int, check_slot_tensor, is_int
+from hiradix._slots import PageAllocator, SlotError, SlotPool, check_int, is_int
 
 KVLayout = Literal["mha", "mla"]
 
@@ -74,7 +74,7 @@ def scatter_slot_major(buffer: torch.Tensor, index: torch.Tensor, values: torch.
     buffer.index_copy_(dim, index, values.movedim(dim - int(mha), dim))
 
 
-class DeviceKVPool:
+class DeviceKVPool(SlotPool):
     """KV tensors of ``num_slots`` slots on ``device`` (zero-initialised), with a page
     allocator. Slot tensors are int64; values are ``[layers, n, *token_shape]``."""
 
@@ -118,16 +118,6 @@ class DeviceKVPool:
     # -- geometry --------------------------------------------------------------------
 
     @property
-    def num_slots(self) -> int:
-        """Capacity, in slots (tokens)."""
-        return self.allocator.num_slots
-
-    @property
-    def page_size(self) -> int:
-        """Slots per page."""
-        return self.allocator.page_size
-
-    @property
     def bytes_per_token(self) -> int:
         """Bytes one slot occupies, over all layers."""
         return self.layers * math.prod(self.token_shape) * self.kv.element_size()
@@ -135,37 +125,6 @@ class DeviceKVPool:
     def value_shape(self, count: int) -> tuple[int, ...]:
         """Shape of the values of ``count`` slots: ``(layers, count, *token_shape)``."""
         return (self.layers, count, *self.token_shape)
-
-    # -- allocation (delegated) -----------------------------------------------------------
-
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """``num_tokens`` slots in whole pages, or None if too few are free."""
-        return self.allocator.alloc(num_tokens)
-
-    def free(self, slots: torch.Tensor) -> None:
-        """Free whole pages given as their slots (see ``PageAllocator.free``)."""
-        self.allocator.free(slots)
-
-    def free_slots(self) -> frozenset[int]:
-        """Every free slot id (for invariant checks)."""
-        return self.allocator.free_slots()
-
-    @property
-    def num_free_slots(self) -> int:
-        """Free capacity, in slots."""
-        return self.allocator.num_free_slots
-
-    def reset(self) -> None:
-        """Free every slot. The KV bytes are left as they are (nobody may read them)."""
-        self.allocator.reset()
-
-    # -- slot tensors ----------------------------------------------------------------
-
-    def check_slots(self, slots: object, argument: str = "slots", *,
-                    unique: bool = False) -> torch.Tensor:
-        """Validate slot ids of this pool (1-D int64, in range; ``unique``: none twice);
-        return them on CPU."""
-        return check_slot_tensor(slots, argument, self.num_slots, unique=unique)
 
     def to_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Checked CPU slot ids as an index tensor on this pool's device. On CUDA the ids go

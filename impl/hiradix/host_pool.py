@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from hiradix._slots import PageAllocator, SlotError, check_int, check_slot_tensor
+from hiradix._slots import PageAllocator, SlotError, SlotPool, check_int
 from hiradix.device_pool import (
     DeviceKVPool,
     KVLayout,
@@ -90,7 +90,7 @@ def host_slots_for(device_pool: DeviceKVPool, ratio: object, size_bytes: object)
     return slots
 
 
-class HostKVPool:
+class HostKVPool(SlotPool):
     """Host copies of KV with the geometry of a device pool, in ``num_slots`` slots of
     their own; on CPU, pinned if ``pin_memory`` (None: iff CUDA is available)."""
 
@@ -137,16 +137,6 @@ class HostKVPool:
 
     # -- geometry --------------------------------------------------------------------
 
-    @property
-    def num_slots(self) -> int:
-        """Capacity, in slots (tokens)."""
-        return self.allocator.num_slots
-
-    @property
-    def page_size(self) -> int:
-        """Slots per page (the device pool's)."""
-        return self.allocator.page_size
-
     def value_shape(self, count: int) -> tuple[int, ...]:
         """Shape of the values of ``count`` slots: ``(layers, count, *token_shape)``."""
         return (self.layers, count, *self.token_shape)
@@ -160,37 +150,6 @@ class HostKVPool:
             return None
         return (f"geometry (page_size, layers, layout, token_shape, dtype) {theirs} differs "
                 f"from the host pool's {mine}")
-
-    # -- allocation (delegated) -----------------------------------------------------------
-
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """``num_tokens`` host slots in whole pages, or None if too few are free."""
-        return self.allocator.alloc(num_tokens)
-
-    def free(self, slots: torch.Tensor) -> None:
-        """Free whole pages given as their slots (see ``PageAllocator.free``)."""
-        self.allocator.free(slots)
-
-    def free_slots(self) -> frozenset[int]:
-        """Every free slot id (for invariant checks)."""
-        return self.allocator.free_slots()
-
-    @property
-    def num_free_slots(self) -> int:
-        """Free capacity, in slots."""
-        return self.allocator.num_free_slots
-
-    def reset(self) -> None:
-        """Free every slot. The KV bytes are left as they are (nobody may read them)."""
-        self.allocator.reset()
-
-    # -- slot-level access -------------------------------------------------------------
-
-    def check_slots(self, slots: object, argument: str = "slots", *,
-                    unique: bool = False) -> torch.Tensor:
-        """Validate slot ids of this pool (1-D int64, in range; ``unique``: none twice);
-        return them on CPU."""
-        return check_slot_tensor(slots, argument, self.num_slots, unique=unique)
 
     def _page_index(self, slots: torch.Tensor, layer: int | None
                     ) -> tuple[torch.Tensor | slice, ...]:

@@ -327,6 +327,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
         @rule(kind=st.sampled_from(["unlock", "slots", "negative", "load", "foreign"]))
         def misuse(self, kind: str) -> None:
             before = abstract(self.cache, self.model)
+            expect: type[Exception]
+            call: Callable[[], object]
             cache = self.cache
             if kind == "unlock":
                 # A node on the path of any lock (the caller's or a copy's) holds a lock.

@@ -31,25 +31,17 @@ class Draft:
         self.protected_tokens = state.protected_tokens
 
     def freeze(self) -> State:
-        return State(
-            config=self.config,
-            pages=self.pages,
-            device_free=frozenset(self.device_free),
-            host_free=frozenset(self.host_free),
-            held=frozenset(self.held),
-            device_kv=self.device_kv,
-            host_kv=self.host_kv,
-            pending=tuple(self.pending),
-            clock=self.clock,
-            evictable_tokens=self.evictable_tokens,
-            protected_tokens=self.protected_tokens,
-        )
+        """The finished state. The draft must not be edited afterwards."""
+        return self._state(self.pages)
 
     def view(self) -> State:
-        """A State snapshot of the draft, for the read-only queries in state.py."""
+        """A snapshot of the draft so far, for the read-only queries in state.py."""
+        return self._state(dict(self.pages))
+
+    def _state(self, pages: dict[Key, Page]) -> State:
         return State(
             config=self.config,
-            pages=dict(self.pages),
+            pages=pages,
             device_free=frozenset(self.device_free),
             host_free=frozenset(self.host_free),
             held=frozenset(self.held),
