@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) -> None:
-    print(f"hiradix check: {tally.examples} examples, {tally.steps} steps in {seconds:.1f} s, "
-          "0 failures")
+    print(f"hiradix check: {tally.examples} examples, {tally.checks} rule steps, "
+          f"{tally.steps} operations in {seconds:.1f} s, 0 failures")
     axes = {
         "page sizes": sorted({s.page_size for s in covered}),
         "write policies": sorted({s.write_policy for s in covered}),
@@ -124,8 +124,8 @@ def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) ->
     for axis, values in axes.items():
         print(f"  {axis}: {', '.join(map(str, values))}")
     print("operations: " + ", ".join(f"{k}={v}" for k, v in sorted(tally.ops.items())))
-    print(f"invariants: all {len(EXERCISED)} checked after every step on the implementation "
-          "and the model; steps in which each had something to check:")
+    print(f"invariants: all {len(EXERCISED)} checked after each of the {tally.checks} rule steps "
+          "on the implementation and the model; steps in which each had something to check:")
     for spec_id in EXERCISED:
         print(f"  {spec_id:<30} {tally.exercised[spec_id]}")
 

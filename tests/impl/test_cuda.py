@@ -1,13 +1,12 @@
 """CudaCopyEngine on a CUDA device pool with a pinned host pool (skipped without CUDA).
 
 The ordering checks put a long run of matmuls on the current (compute) stream before the
-copy is submitted: a copy stream that failed to wait for that work would finish while it
-still runs, and (d2h) would read the KV before the compute stream wrote it.
+KV is written and the copy submitted: a copy stream that failed to wait for that work would
+read the KV before the compute stream wrote it, which the byte comparison shows. (No
+assertion depends on how long anything takes.)
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -133,9 +132,6 @@ def test_d2h_waits_for_prior_compute_stream_writes() -> None:
             keep_compute_busy()
         device.write(source, on_device)  # enqueued behind the matmuls; the host goes on
         engine.submit("d2h", source, target)
-        if busy:
-            time.sleep(0.002)
-            assert engine.finished("d2h") == 0  # still behind the compute stream's work
         torch.cuda.synchronize()
         assert len(engine.acknowledge("d2h", 1)) == 1
         assert torch.equal(host.read(target), expected)
@@ -151,9 +147,6 @@ def test_h2d_waits_for_prior_compute_stream_work() -> None:
         if busy:
             keep_compute_busy()  # earlier readers of the destination slots, say
         engine.submit("h2d", pages(4), pages(1))
-        if busy:
-            time.sleep(0.002)
-            assert engine.finished("h2d") == 0
         torch.cuda.synchronize()
         assert engine.finished("h2d") == 1
         engine.acknowledge("h2d", 1)

@@ -38,7 +38,8 @@ class Tally:
     """What a campaign did: for the summary of ``hiradix check``."""
 
     examples: int = 0
-    steps: int = 0
+    steps: int = 0  # operations issued to both the implementation and the model
+    checks: int = 0  # rule executions, each followed by the full comparison
     ops: Counter[str] = field(default_factory=Counter)
     exercised: Counter[str] = field(default_factory=Counter)  # steps where an ID had work
 
@@ -372,6 +373,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if seen != self.model:
                 raise AssertionError("implementation and model disagree:\n"
                                      + describe_difference(seen, self.model))
+            counts.checks += 1
             for spec_id, busy in EXERCISED.items():
                 if busy(self.model):
                     counts.exercised[spec_id] += 1
