@@ -176,6 +176,10 @@ class PageAllocator:
         self._allocated[pages] = False
         self._free_pages.extend(reversed(pages.tolist()))
 
+    def allocated(self, slots: torch.Tensor) -> torch.Tensor:
+        """A bool per slot of ``slots`` (in range, int64): whether its page is allocated."""
+        return self._allocated[slots // self._page_size]
+
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot``'s page is allocated."""
         check_int(slot, "slot", minimum=0)

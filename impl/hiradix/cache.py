@@ -89,6 +89,8 @@ class HiRadixCache:
         self.device_pool.reset()
         self.host_pool.reset()
         self.root = TreeNode(self, None, (), None)  # owns no slots, is never evicted
+        # Which device slots a node owns: tells a caller's slot from the tree's in O(1).
+        self._device_owned = torch.zeros(self.device_pool.num_slots, dtype=torch.bool)
         self.evictable_tokens = 0
         self.protected_tokens = 0
         self.device_leaves: set[TreeNode] = set()
@@ -121,7 +123,11 @@ class HiRadixCache:
 
     def _set_device(self, node: TreeNode, slots: torch.Tensor | None) -> None:
         self._count(node, -1)
+        if node.device is not None:
+            self._device_owned[node.device] = False
         node.device = slots
+        if slots is not None:
+            self._device_owned[slots] = True
         self._count(node, +1)
 
     def _add_lock(self, node: TreeNode, delta: int) -> int:
@@ -193,11 +199,12 @@ class HiRadixCache:
         """The nodes along ``key`` (without splitting) and how many tokens of each match."""
         walked = []
         node, start = self.root, 0
+        tokens = key.tokens[:stop_at]
         while start < stop_at:
             child = node.children.get((key.namespace, key.tokens[start:start + self.page_size]))
             if child is None:
                 break
-            matched = common_pages(child.tokens, key.tokens[:stop_at], start, self.page_size)
+            matched = common_pages(child.tokens, tokens, start, self.page_size)
             walked.append((child, matched))
             if matched < len(child.tokens):
                 break
@@ -234,8 +241,8 @@ class HiRadixCache:
     # ------------------------------------------------------------------ insert
 
     def _check_insert_slots(self, key: RadixKey, slots: torch.Tensor, aligned: int) -> None:
-        """Every slot is the cache's own slot at that position or held by the caller."""
-        owned = self._tree_device_slots()
+        """Every slot is the cache's own slot at that position or held by the caller
+        (allocated and owned by no node). Vectorised: O(key) tensor work, no tree scan."""
         reuse = torch.zeros(len(slots), dtype=torch.bool)
         start = 0
         for node, matched in self._walk(key, aligned):
@@ -243,16 +250,17 @@ class HiRadixCache:
                 reuse[start:start + matched] = slots[start:start + matched] == \
                     node.device[:matched]
             start += matched
-        for position in range(len(slots)):
-            slot = int(slots[position])
-            if reuse[position]:
-                continue
-            if not 0 <= slot < self.device_pool.num_slots or slot in owned \
-                    or not self.device_pool.allocator.is_allocated(slot):
-                raise InvalidArgument(f"slots[{position}]",
-                                      f"slot {slot} is neither held by the caller nor the "
-                                      "cache's own slot for this position")
-        if len(set(slots.tolist())) != len(slots):
+        in_range = (slots >= 0) & (slots < self.device_pool.num_slots)
+        held = torch.zeros(len(slots), dtype=torch.bool)
+        safe = slots[in_range]
+        held[in_range] = self.device_pool.allocator.allocated(safe) & ~self._device_owned[safe]
+        bad = ~(reuse | held)
+        if bool(bad.any()):
+            position = int(bad.nonzero()[0])
+            raise InvalidArgument(f"slots[{position}]",
+                                  f"slot {int(slots[position])} is neither held by the caller "
+                                  "nor the cache's own slot for this position")
+        if torch.unique(slots).numel() != len(slots):
             raise InvalidArgument("slots", "holds a slot twice")
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,

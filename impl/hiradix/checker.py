@@ -106,8 +106,13 @@ def _ownership(owned: list[int], free: frozenset[int], capacity: int, what: str)
 
 def _device_pool(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     owned = [s for n in nodes if n.device is not None for s in n.device.tolist()]
-    return _ownership(owned, cache.device_pool.free_slots(), cache.device_pool.num_slots,
-                      "device")
+    found = _ownership(owned, cache.device_pool.free_slots(), cache.device_pool.num_slots,
+                       "device")
+    marked = set(cache._device_owned.nonzero().flatten().tolist())
+    if marked != set(owned):
+        found.append(f"ownership map disagrees with the tree: marked only "
+                     f"{sorted(marked - set(owned))}, unmarked {sorted(set(owned) - marked)}")
+    return found
 
 
 def _host_pool(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:

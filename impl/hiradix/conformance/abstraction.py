@@ -70,7 +70,7 @@ def _kv(read: torch.Tensor, expected: dict[int, Key], slots: list[int], layers: 
         return result
     want = patterns([expected[s] for s in known], layers, token_shape, dtype)
     index = torch.tensor([slots.index(s) for s in known], dtype=torch.int64)
-    same = (read.index_select(1, index).cpu() == want).flatten(2).all(dim=2).all(dim=0)
+    same = (read.cpu().index_select(1, index) == want).flatten(2).all(dim=2).all(dim=0)
     for slot, ok in zip(known, same.tolist(), strict=True):
         if not ok:
             result[slot] = CORRUPT
