@@ -1,4 +1,5 @@
-"""``hiradix check``: the conformance state machine against the implementation.
+"""``hiradix check``: the conformance state machine against the implementation;
+``hiradix replay TRACE``: a recorded trace against the model.
 
 Runs the machine over a matrix of configurations for a budget (seconds or examples),
 with a progress bar on a terminal, then prints what was run: examples, steps,
@@ -23,6 +24,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from hiradix.conformance.machine import EXERCISED, Tally, make_machine
 from hiradix.conformance.scenario import Scenario
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
+from hiradix_model import trace
 
 DEFAULT_PAGE_SIZES = (1, 2, 4, 16)
 
@@ -99,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
                 with open(args.reproducer, "w") as handle:
                     handle.write(script)
                 print(f"(written to {args.reproducer})")
+            if args.trace:
+                trace.write(args.trace, scenario.model_config(), "hiradix", tally.last_trace)
+                print(f"(trace of the shrunk example written to {args.trace}: "
+                      f"`hiradix replay {args.trace}`)")
             return 1
         covered.add(scenario)
         done = (tally.examples / args.examples if args.examples is not None
@@ -146,11 +152,29 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     check.add_argument("--engine", choices=("controlled", "cuda"), default="controlled")
     check.add_argument("--device", default="cpu")
     check.add_argument("--reproducer", default=None, help="write the reproducer script here")
+    check.add_argument("--trace", default=None,
+                       help="on a failure, write the shrunk example as a JSONL trace here")
+    replay_cmd = sub.add_parser("replay", help="check a JSONL trace against the model")
+    replay_cmd.add_argument("path", help="the trace (spec/08-traces.md)")
     return parser.parse_args(argv)
+
+
+def replay(path: str) -> int:
+    """Apply a trace to the model; point at the first step that breaks or disagrees."""
+    with open(path) as handle:
+        applied, finding = trace.replay(handle)
+    if finding is None:
+        print(f"{path}: {applied} steps, all accepted by the model, every invariant held")
+        return 0
+    print(f"{path}: line {finding.line} ({finding.op}), after {applied} accepted steps: "
+          f"{finding.problem}")
+    return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    if args.command == "replay":
+        return replay(args.path)
     if args.engine == "cuda" and args.device == "cpu":
         args = replace_namespace(args, device="cuda")
     return run(args)

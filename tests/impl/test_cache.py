@@ -101,3 +101,17 @@ def test_rank_sync_over_torch_distributed(tmp_path) -> None:  # type: ignore[no-
         assert TorchDistributedSync().min(7) == 7
     finally:
         dist.destroy_process_group()
+
+
+def test_hiradix_replay_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from hiradix.cli import main
+    from hiradix_model import Config, trace
+
+    path = tmp_path / "t.jsonl"
+    config = Config(page_size=1, device_slots=4, host_slots=4)
+    step = trace.Step("match_prefix", {"key": {"tokens": [1], "namespace": None}, "now": 1},
+                      {"device_slots": [3], "last_device_page": None,
+                       "last_host_page": None, "host_hit_tokens": 0})
+    trace.write(str(path), config, "test", [step])
+    assert main(["replay", str(path)]) == 1  # the empty cache matches nothing
+    assert "line 2 (match_prefix)" in capsys.readouterr().out

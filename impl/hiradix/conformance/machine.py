@@ -29,7 +29,19 @@ from hiradix.errors import ForeignNode, InvalidArgument, NotLocked
 from hiradix.keys import RadixKey
 from hiradix.transfer import ControlledCopyEngine
 from hiradix.tree import TreeNode
-from hiradix_model import Backup, Config, Key, State, Victim, check, initial, ops, violations
+from hiradix_model import (
+    Backup,
+    Config,
+    Key,
+    ModelError,
+    State,
+    Victim,
+    check,
+    initial,
+    ops,
+    trace,
+    violations,
+)
 from hiradix_model.keys import content_at
 
 
@@ -42,6 +54,7 @@ class Tally:
     checks: int = 0  # rule executions, each followed by the full comparison
     ops: Counter[str] = field(default_factory=Counter)
     exercised: Counter[str] = field(default_factory=Counter)  # steps where an ID had work
+    last_trace: list[trace.Step] = field(default_factory=list)  # the latest example's steps
 
 
 # For the summary: a step exercises an invariant when the state gives it something to
@@ -110,13 +123,21 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             self.caller_locks: list[TreeNode] = []
             self.holdings: list[torch.Tensor] = []
             self.seen: list[tuple[tuple[int, ...], str | None]] = []
+            self.trace: list[trace.Step] = []
             counts.examples += 1
+            counts.last_trace = self.trace  # after shrinking, the failing example's
 
         # -- plumbing -----------------------------------------------------------------
 
         def step(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
                  **kwargs: object) -> object:
-            self.model, observation = op(self.model, *args, **kwargs)
+            arguments = trace.encode_call(op, *args, **kwargs)
+            try:
+                self.model, observation = op(self.model, *args, **kwargs)
+            except ModelError:
+                self.trace.append(trace.Step(name, arguments))  # the step the model rejects
+                raise
+            self.trace.append(trace.Step(name, arguments, trace.encode_observation(observation)))
             counts.ops[name] += 1
             counts.steps += 1
             return observation

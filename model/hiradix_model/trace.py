@@ -1,0 +1,212 @@
+"""Traces: one engine run as JSON Lines, and their replay against the model (spec/08).
+
+Line 1 is the configuration; every further line is one operation with its arguments,
+the choices the engine made, and what the engine observed. ``replay`` applies each line
+to the model, which rejects an illegal choice, and compares the model's observation with
+the engine's. The first step that breaks an invariant, is rejected, or disagrees is the
+finding.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hiradix_model import ops
+from hiradix_model.config import Config
+from hiradix_model.errors import ModelError
+from hiradix_model.invariants import violations
+from hiradix_model.keys import Key
+from hiradix_model.state import State, initial
+
+FORMAT = "hiradix-trace/1"
+Json = Any
+
+
+def encode_key(key: Key | None) -> Json:
+    return None if key is None else {"tokens": list(key.tokens), "namespace": key.namespace}
+
+
+def decode_key(value: Json) -> Key | None:
+    return None if value is None else Key(tuple(value["tokens"]), value["namespace"])
+
+
+def _key(value: Json) -> Key:
+    key = decode_key(value)
+    if key is None:
+        raise ValueError("a page key may not be null here")
+    return key
+
+
+def _slots(value: Json) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def encode_victim(victim: ops.Victim) -> Json:
+    return {"page": encode_key(victim.page), "host_victims": [encode_key(k) for k in
+                                                               victim.host_victims],
+            "host_slots": None if victim.host_slots is None else list(victim.host_slots)}
+
+
+def decode_victim(value: Json) -> ops.Victim:
+    return ops.Victim(_key(value["page"]), tuple(_key(k) for k in value["host_victims"]),
+                      _slots(value["host_slots"]))
+
+
+def encode_backup(backup: ops.Backup | None) -> Json:
+    if backup is None:
+        return None
+    return {"host_victims": [encode_key(k) for k in backup.host_victims],
+            "host_slots": None if backup.host_slots is None else list(backup.host_slots)}
+
+
+def decode_backup(value: Json) -> ops.Backup | None:
+    if value is None:
+        return None
+    return ops.Backup(tuple(_key(k) for k in value["host_victims"]), _slots(value["host_slots"]))
+
+
+def encode_observation(observation: object) -> Json:
+    """The JSON form of an operation's observation (what both sides compare)."""
+    if isinstance(observation, ops.MatchResult):
+        return {"device_slots": list(observation.device_slots),
+                "last_device_page": encode_key(observation.last_device_page),
+                "last_host_page": encode_key(observation.last_host_page),
+                "host_hit_tokens": observation.host_hit_tokens}
+    if isinstance(observation, ops.InsertResult):
+        return {"prefix_tokens": observation.prefix_tokens}
+    if isinstance(observation, tuple) and len(observation) == 2 and isinstance(
+            observation[0], tuple):  # init_load_back: (slots, page)
+        return {"slots": list(observation[0]), "page": encode_key(observation[1])}
+    if isinstance(observation, tuple):  # load_back: slots
+        return list(observation)
+    return observation
+
+
+@dataclass(frozen=True)
+class Step:
+    """One trace line: ``op`` applied with ``args``; ``observed`` is the engine's result."""
+
+    op: str
+    args: dict[str, Json]
+    observed: Json = None
+
+    def to_json(self) -> str:
+        return json.dumps({"op": self.op, "args": self.args, "observed": self.observed})
+
+
+# How each operation's JSON arguments become the model call. One entry per operation.
+CALLS: dict[str, Callable[[State, dict[str, Json]], tuple[State, object]]] = {
+    "match_prefix": lambda s, a: ops.match_prefix(s, _key(a["key"]), a["now"]),
+    "alloc": lambda s, a: ops.alloc(s, _key(a["key"]), a["start"], tuple(a["slots"])),
+    "free": lambda s, a: ops.free(s, tuple(a["slots"])),
+    "insert": lambda s, a: ops.insert(
+        s, _key(a["key"]), tuple(a["slots"]), a["now"], priority=a.get("priority", 0),
+        chunked=a.get("chunked", False), backup=decode_backup(a.get("backup"))),
+    "inc_lock_ref": lambda s, a: ops.inc_lock_ref(s, decode_key(a["page"])),
+    "dec_lock_ref": lambda s, a: ops.dec_lock_ref(s, decode_key(a["page"])),
+    "evict": lambda s, a: ops.evict(s, a["num_tokens"],
+                                    tuple(decode_victim(v) for v in a["victims"])),
+    "evict_host": lambda s, a: ops.evict_host(s, a["num_tokens"],
+                                              tuple(_key(k) for k in a["victims"])),
+    "write_backup": lambda s, a: ops.write_backup(s, _key(a["page"]),
+                                                  decode_backup(a["report"])),  # type: ignore[arg-type]
+    "writing_check": lambda s, a: ops.writing_check(s, a["count"]),
+    "loading_check": lambda s, a: ops.loading_check(s, a["count"]),
+    "load_back": lambda s, a: ops.load_back(
+        s, _key(a["page"]), a["mem_quota"],
+        device_victims=tuple(decode_victim(v) for v in a.get("device_victims", [])),
+        device_slots=_slots(a.get("device_slots"))),
+    "init_load_back": lambda s, a: ops.init_load_back(
+        s, decode_key(a["page"]), a["mem_quota"],
+        device_victims=tuple(decode_victim(v) for v in a.get("device_victims", [])),
+        device_slots=_slots(a.get("device_slots"))),
+    "reset": lambda s, a: ops.reset(s),
+}
+
+
+def header(config: Config, engine: str) -> str:
+    """The first line of a trace."""
+    return json.dumps({"format": FORMAT, "engine": engine, "config": asdict(config)})
+
+
+def write(path: str, config: Config, engine: str, steps: Iterable[Step]) -> None:
+    with open(path, "w") as handle:
+        handle.write(header(config, engine) + "\n")
+        for step in steps:
+            handle.write(step.to_json() + "\n")
+
+
+@dataclass(frozen=True)
+class Finding:
+    line: int  # 1-based line of the trace
+    op: str
+    problem: str
+
+
+def read(lines: Iterable[str]) -> tuple[Config, str, Iterator[tuple[int, Step]]]:
+    """The configuration, the engine name, and the steps (with their line numbers)."""
+    numbered = ((n, line) for n, line in enumerate(lines, 1) if line.strip())
+    first = next(numbered, None)
+    if first is None:
+        raise ValueError("empty trace")
+    head = json.loads(first[1])
+    if head.get("format") != FORMAT:
+        raise ValueError(f"line 1: not a {FORMAT} trace header")
+    config = Config(**head["config"])
+
+    def steps() -> Iterator[tuple[int, Step]]:
+        for number, line in numbered:
+            record = json.loads(line)
+            yield number, Step(record["op"], record.get("args", {}), record.get("observed"))
+
+    return config, head.get("engine", "unknown"), steps()
+
+
+def replay(lines: Iterable[str]) -> tuple[int, Finding | None]:
+    """Apply a trace to the model; return the steps applied and the first finding."""
+    config, _, steps = read(lines)
+    state = initial(config)
+    applied = 0
+    for number, step in steps:
+        call = CALLS.get(step.op)
+        if call is None:
+            return applied, Finding(number, step.op, f"unknown operation {step.op!r}")
+        try:
+            state, observation = call(state, step.args)
+        except ModelError as rejected:
+            return applied, Finding(number, step.op, f"rejected: {rejected}")
+        except (KeyError, TypeError, ValueError) as malformed:
+            return applied, Finding(number, step.op, f"malformed arguments: {malformed!r}")
+        applied += 1
+        broken = violations(state)
+        if broken:
+            return applied, Finding(number, step.op, f"breaks {sorted(broken)}: {broken}")
+        expected = encode_observation(observation)
+        if step.observed is not None and step.observed != expected:
+            return applied, Finding(number, step.op, f"engine observed {step.observed!r}, "
+                                                     f"the model {expected!r}")
+    return applied, None
+
+
+def encode_value(value: object) -> Json:
+    """Arguments as JSON: keys, victims and backups as objects, tuples as lists."""
+    if isinstance(value, Key):
+        return encode_key(value)
+    if isinstance(value, ops.Victim):
+        return encode_victim(value)
+    if isinstance(value, ops.Backup):
+        return encode_backup(value)
+    if isinstance(value, tuple | list):
+        return [encode_value(v) for v in value]
+    return value
+
+
+def encode_call(op: Callable[..., object], *args: object, **kwargs: object) -> dict[str, Json]:
+    """The named JSON arguments of ``op(state, *args, **kwargs)`` (state excluded)."""
+    bound = inspect.signature(op).bind(None, *args, **kwargs)
+    bound.arguments.pop("state")
+    return {name: encode_value(value) for name, value in bound.arguments.items()}
