@@ -199,6 +199,13 @@ class SlotPool:
     """What both KV pools share: a page allocator and the checks on their slot ids."""
 
     allocator: PageAllocator
+    dtype: torch.dtype
+    token_shape: tuple[int, ...]
+    layers: int
+
+    def value_shape(self, count: int) -> tuple[int, ...]:
+        """The shape of values for ``count`` slots: ``[layers, count, *token_shape]``."""
+        return (self.layers, count, *self.token_shape)
 
     @property
     def num_slots(self) -> int:
@@ -234,3 +241,16 @@ class SlotPool:
         """Validate slot ids of this pool (1-D int64, in range; ``unique``: none twice);
         return them on CPU."""
         return check_slot_tensor(slots, argument, self.num_slots, unique=unique)
+
+    def check_values(self, values: object, count: int) -> torch.Tensor:
+        """Validate values for ``count`` slots: a tensor of this dtype shaped
+        ``value_shape(count)`` (any device)."""
+        expected = self.value_shape(count)
+        if not isinstance(values, torch.Tensor):
+            raise SlotError("values", f"must be a torch.Tensor, got {type(values).__name__}")
+        if values.dtype != self.dtype:
+            raise SlotError("values", f"must have dtype {self.dtype}, got {values.dtype}")
+        if tuple(values.shape) != expected:
+            raise SlotError("values", f"must have shape {list(expected)}, "
+                                      f"got {list(values.shape)}")
+        return values

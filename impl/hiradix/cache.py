@@ -55,6 +55,20 @@ class PendingCopy:
     src: torch.Tensor
     dst: torch.Tensor
 
+    def nodes(self) -> list[TreeNode] | None:
+        """The nodes the copy covers, root-most first: ``tokens`` tokens up the path from
+        ``lock_node``. None if no node boundary falls exactly there (a broken copy).
+
+        Splits keep this exact: the lower part of a split keeps the node object.
+        """
+        nodes, covered = [], 0
+        for node in self.lock_node.path():
+            if covered >= self.tokens:
+                break
+            nodes.append(node)
+            covered += len(node.tokens)
+        return nodes[::-1] if covered == self.tokens else None
+
 
 class HiRadixCache:
     def __init__(
@@ -379,25 +393,13 @@ class HiRadixCache:
             copy = self.pending[direction].popleft()
             assert copy.ticket == ticket, (copy.ticket, ticket)
             if direction == "h2d":
-                for node in self._copy_nodes(copy):
+                covered = copy.nodes()
+                assert covered is not None, f"copy {copy.ticket} lost its nodes"
+                for node in covered:
                     node.host_ref -= 1
                     self._refresh(node)
             self._add_lock(copy.lock_node, -1)
         return count
-
-    def _copy_nodes(self, copy: PendingCopy) -> list[TreeNode]:
-        """The nodes a copy covers: ``copy.tokens`` tokens up the path from its lock node.
-
-        Splits keep this exact: the lower part of a split keeps the node object.
-        """
-        nodes, covered = [], 0
-        for node in copy.lock_node.path():
-            if covered >= copy.tokens:
-                break
-            nodes.append(node)
-            covered += len(node.tokens)
-        assert covered == copy.tokens, (covered, copy.tokens)
-        return nodes
 
     # ------------------------------------------------------------------ locks
 

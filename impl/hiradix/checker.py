@@ -162,7 +162,7 @@ def _transfer_pinned(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     held: Counter[TreeNode] = Counter()
     for direction, queue in cache.pending.items():
         for copy in queue:
-            covered = _covered(copy.lock_node, copy.tokens)
+            covered = copy.nodes()
             if covered is None:
                 found.append(f"{direction} copy {copy.ticket}: its {copy.tokens} tokens no "
                              f"longer end at {copy.lock_node!r}")
@@ -179,18 +179,6 @@ def _transfer_pinned(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     found += [f"{n!r}: lock {n.lock_ref} below the {k} its copies in flight hold"
               for n, k in held.items() if n.lock_ref < k]
     return found
-
-
-def _covered(lock_node: TreeNode, tokens: int) -> list[TreeNode] | None:
-    """The nodes ``tokens`` tokens up from ``lock_node``, root-most first; None if the
-    path does not split exactly there."""
-    nodes, total = [], 0
-    for node in lock_node.path():
-        if total >= tokens:
-            break
-        nodes.append(node)
-        total += len(node.tokens)
-    return nodes[::-1] if total == tokens else None
 
 
 def _kv_integrity(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:

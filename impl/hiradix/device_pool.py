@@ -122,10 +122,6 @@ class DeviceKVPool(SlotPool):
         """Bytes one slot occupies, over all layers."""
         return self.layers * math.prod(self.token_shape) * self.kv.element_size()
 
-    def value_shape(self, count: int) -> tuple[int, ...]:
-        """Shape of the values of ``count`` slots: ``(layers, count, *token_shape)``."""
-        return (self.layers, count, *self.token_shape)
-
     def to_index(self, slots: torch.Tensor) -> torch.Tensor:
         """Checked CPU slot ids as an index tensor on this pool's device. On CUDA the ids go
         through pinned memory without blocking the host; the copy is ordered on the
@@ -150,19 +146,6 @@ class DeviceKVPool(SlotPool):
                            mha=self.layout == "mha")
 
     # -- bytes -----------------------------------------------------------------------
-
-    def check_values(self, values: object, count: int) -> torch.Tensor:
-        """Validate values for ``count`` slots: a tensor of this dtype shaped
-        ``value_shape(count)`` (any device)."""
-        expected = self.value_shape(count)
-        if not isinstance(values, torch.Tensor):
-            raise SlotError("values", f"must be a torch.Tensor, got {type(values).__name__}")
-        if values.dtype != self.dtype:
-            raise SlotError("values", f"must have dtype {self.dtype}, got {values.dtype}")
-        if tuple(values.shape) != expected:
-            raise SlotError("values", f"must have shape {list(expected)}, "
-                                      f"got {list(values.shape)}")
-        return values
 
     def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``values`` (``[layers, len(slots), *token_shape]``) into ``slots`` (no slot

@@ -137,10 +137,6 @@ class HostKVPool(SlotPool):
 
     # -- geometry --------------------------------------------------------------------
 
-    def value_shape(self, count: int) -> tuple[int, ...]:
-        """Shape of the values of ``count`` slots: ``(layers, count, *token_shape)``."""
-        return (self.layers, count, *self.token_shape)
-
     def mismatch(self, device_pool: DeviceKVPool) -> str | None:
         """Why ``device_pool``'s geometry differs from this pool's, or None if it does not."""
         mine = (self.page_size, self.layers, self.kv_layout, self.token_shape, self.dtype)
@@ -180,19 +176,6 @@ class HostKVPool(SlotPool):
         buffer = self.kv if layer is None else self.kv[:, layer]
         buffer[self._page_index(slots, layer)] = values if layer is not None else \
             values.movedim(1, 0)
-
-    def check_values(self, values: object, count: int) -> torch.Tensor:
-        """Validate values for ``count`` slots: a tensor of this dtype shaped
-        ``value_shape(count)`` (any device)."""
-        expected = self.value_shape(count)
-        if not isinstance(values, torch.Tensor):
-            raise SlotError("values", f"must be a torch.Tensor, got {type(values).__name__}")
-        if values.dtype != self.dtype:
-            raise SlotError("values", f"must have dtype {self.dtype}, got {values.dtype}")
-        if tuple(values.shape) != expected:
-            raise SlotError("values", f"must have shape {list(expected)}, "
-                                      f"got {list(values.shape)}")
-        return values
 
     def write(self, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``values`` (``[layers, len(slots), *token_shape]``) into ``slots`` (no slot

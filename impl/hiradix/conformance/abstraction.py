@@ -49,13 +49,9 @@ def _pages(cache: HiRadixCache) -> dict[Key, Page]:
 
 
 def _transfer(cache: HiRadixCache, copy: PendingCopy, direction: str) -> Transfer:
-    covered, total = [], 0
-    for node in copy.lock_node.path():
-        if total >= copy.tokens:
-            break
-        covered.append(node)
-        total += len(node.tokens)
-    pages = [k for node in reversed(covered) for k in page_keys(node, cache.page_size)]
+    covered = copy.nodes()
+    assert covered is not None, "the checker reports a copy that lost its nodes"
+    pages = [k for node in covered for k in page_keys(node, cache.page_size)]
     lock = page_keys(copy.lock_node, cache.page_size)[-1]
     return Transfer(direction, tuple(pages), tuple(copy.src.tolist()),  # type: ignore[arg-type]
                     tuple(copy.dst.tolist()), lock)
