@@ -19,7 +19,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hiradix.cache import HiRadixCache
+from hiradix.cache import HiRadixCache, MatchResult
 from hiradix.clock import ManualClock
 from hiradix.conformance.abstraction import abstract, page_keys
 from hiradix.conformance.kv import patterns
@@ -142,6 +142,14 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             counts.steps += 1
             return observation
 
+        def agree(self, engine: object, model: object) -> None:
+            """The implementation observed ``engine`` where the model observed ``model``:
+            the trace keeps the implementation's, so that a replay shows the disagreement."""
+            self.trace[-1] = trace.Step(self.trace[-1].op, self.trace[-1].args,
+                                        trace.encode_observation(engine))
+            assert engine == model, f"{self.trace[-1].op}: implementation {engine!r}, " \
+                                    f"model {model!r}"
+
         def page_of(self, node: TreeNode) -> Key | None:
             if node is self.cache.root:
                 return None
@@ -151,11 +159,11 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             return sorted((n for n in self.cache.nodes() if n.device is not None),
                           key=lambda n: n.id)
 
-        def same_match(self, got: object, want: ops.MatchResult) -> None:
-            assert got.device_slots.tolist() == list(want.device_slots)  # type: ignore[attr-defined]
-            assert self.page_of(got.last_device_node) == want.last_device_page  # type: ignore[attr-defined]
-            assert self.page_of(got.last_host_node) == want.last_host_page  # type: ignore[attr-defined]
-            assert got.host_hit_length == want.host_hit_tokens  # type: ignore[attr-defined]
+        def same_match(self, got: MatchResult, want: ops.MatchResult) -> None:
+            seen = ops.MatchResult(tuple(got.device_slots.tolist()),
+                                   self.page_of(got.last_device_node),
+                                   self.page_of(got.last_host_node), got.host_hit_length)
+            self.agree(seen, want)
 
         def write_kv(self, key: Key, start: int, slots: torch.Tensor) -> None:
             pool = self.cache.device_pool
@@ -163,9 +171,9 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             pool.write(slots, patterns(contents, pool.layers, pool.token_shape, pool.dtype))
 
         def evict_both(self, num_tokens: int) -> None:
-            self.cache.evict(num_tokens)
+            evicted = self.cache.evict(num_tokens)
             chosen = self.recorder.take().device_victims
-            self.step("evict", ops.evict, num_tokens, victims(chosen))
+            self.agree(evicted, self.step("evict", ops.evict, num_tokens, victims(chosen)))
 
         def load_both(self, node: TreeNode, quota: int | None) -> None:
             loaded, used = self.cache.init_load_back(node, quota)
@@ -175,9 +183,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 "init_load_back", ops.init_load_back, self.page_of(node), quota,
                 device_victims=victims(list(choice.device_victims)) if choice else (),
                 device_slots=choice.device_slots if choice else None)
-            want_slots, want_page = result  # type: ignore[misc]
-            assert loaded.tolist() == list(want_slots)
-            assert self.page_of(used) == want_page
+            self.agree((tuple(loaded.tolist()), self.page_of(used)), result)
 
         # -- the operations ------------------------------------------------------------
 
@@ -218,8 +224,9 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 want = self.step("match_prefix", ops.match_prefix, key, now)
                 self.same_match(got, want)  # type: ignore[arg-type]
             locked = got.last_device_node
-            assert self.cache.inc_lock_ref(locked) == self.step(
-                "inc_lock_ref", ops.inc_lock_ref, self.page_of(locked))
+            engine_delta = self.cache.inc_lock_ref(locked)
+            model_delta = self.step("inc_lock_ref", ops.inc_lock_ref, self.page_of(locked))
+            self.agree(engine_delta, model_delta)
             cached = len(got.device_slots)
             need = len(tokens) - cached
             ps = self.cache.page_size
@@ -239,7 +246,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                                 made[0].host_slots) if made else None
                 result = self.step("insert", ops.insert, key, tuple(slots.tolist()), now,
                                    priority=priority, chunked=chunked, backup=backup)
-                assert prefix == result.prefix_tokens  # type: ignore[attr-defined]
+                self.agree(ops.InsertResult(prefix, result.due), result)  # type: ignore[attr-defined]
                 owned = self.cache._tree_device_slots()
                 leftover = [s for s in new.tolist() if s not in owned]
                 if leftover:
@@ -248,8 +255,9 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if keep_lock and locked is not self.cache.root:
                 self.caller_locks.append(locked)
             else:
-                assert self.cache.dec_lock_ref(locked) == self.step(
-                    "dec_lock_ref", ops.dec_lock_ref, self.page_of(locked))
+                engine_delta = self.cache.dec_lock_ref(locked)
+                model_delta = self.step("dec_lock_ref", ops.dec_lock_ref, self.page_of(locked))
+                self.agree(engine_delta, model_delta)
 
         # Rules pick nodes by an index (not st.data()) so that a shrunk failure prints
         # as a runnable script.
@@ -258,16 +266,18 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             nodes = self.device_nodes()
             if nodes:
                 node = nodes[index % len(nodes)]
-                assert self.cache.inc_lock_ref(node) == self.step(
-                    "inc_lock_ref", ops.inc_lock_ref, self.page_of(node))
+                engine_delta = self.cache.inc_lock_ref(node)
+                model_delta = self.step("inc_lock_ref", ops.inc_lock_ref, self.page_of(node))
+                self.agree(engine_delta, model_delta)
                 self.caller_locks.append(node)
 
         @precondition(lambda self: bool(self.caller_locks))
         @rule(index=st.integers(0, 63))
         def unlock(self, index: int) -> None:
             node = self.caller_locks.pop(index % len(self.caller_locks))
-            assert self.cache.dec_lock_ref(node) == self.step(
-                "dec_lock_ref", ops.dec_lock_ref, self.page_of(node))
+            engine_delta = self.cache.dec_lock_ref(node)
+            model_delta = self.step("dec_lock_ref", ops.dec_lock_ref, self.page_of(node))
+            self.agree(engine_delta, model_delta)
 
         @rule(pages=st.integers(1, 3), tokens=tokens)
         def hold(self, pages: int, tokens: tuple[int, ...]) -> None:
@@ -294,8 +304,9 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
         def evict_host(self, num_tokens: int) -> None:
             evicted = self.cache.evict_host(num_tokens)
             chosen = self.recorder.take().host_victims
-            assert evicted == self.step("evict_host", ops.evict_host, num_tokens,
-                                        tuple(map(to_key, chosen)))
+            model_evicted = self.step("evict_host", ops.evict_host, num_tokens,
+                                      tuple(map(to_key, chosen)))
+            self.agree(evicted, model_evicted)
 
         @rule(index=st.integers(0, 63))
         def write_backup(self, index: int) -> None:
@@ -306,8 +317,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             issued = self.cache.write_backup(node)
             made = self.recorder.take().backups
             report = Backup(tuple(map(to_key, made[0].host_victims)), made[0].host_slots)
-            assert issued == self.step("write_backup", ops.write_backup, self.page_of(node),
-                                       report)
+            model_issued = self.step("write_backup", ops.write_backup, self.page_of(node), report)
+            self.agree(issued, model_issued)
 
         @precondition(lambda self: isinstance(self.cache.engine, ControlledCopyEngine)
                       and any(self.cache.pending.values()))
