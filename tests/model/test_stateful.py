@@ -55,6 +55,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.now = 0
         self.caller_locks: list[Key | None] = []
         self.holdings: list[tuple[int, ...]] = []
+        self.seen: list[Key] = []
         RUNS["examples"] += 1
 
     @initialize(
@@ -113,8 +114,21 @@ class ModelMachine(RuleBasedStateMachine):
         for key in batch:
             self.request(key, dt, random.Random(seed), chunked, priority, keep_lock)
 
+    # A returning request after its backups landed and the device filled up: what makes
+    # host hits and copying load-backs frequent (a random key rarely repeats a prefix).
+    @precondition(lambda self: bool(self.seen))
+    @rule(index=st.integers(0, 63), evict_first=st.integers(1, 24), seed=seeds)
+    def request_again(self, index: int, evict_first: int, seed: int) -> None:
+        rng = random.Random(seed)
+        queued = sum(t.direction == "d2h" for t in self.state.pending)
+        self.apply("writing_check", ops.writing_check, queued)
+        victims = choosers.choose_evict(self.state, evict_first, rng)
+        self.apply("evict", ops.evict, evict_first, victims)
+        self.request(self.seen[index % len(self.seen)], 1, rng, False, 0, False)
+
     def request(self, key: Key, dt: int, rng: random.Random, chunked: bool, priority: int,
                 keep_lock: bool) -> None:
+        self.seen.append(key)
         match = self.apply("match_prefix", ops.match_prefix, key, self.tick(dt))
         assert isinstance(match, MatchResult)
         if match.host_hit_tokens and match.last_host_page is not None:
