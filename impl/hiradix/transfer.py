@@ -98,6 +98,16 @@ class TransferEngine(ABC):
         """For an h2d copy: return once a forward pass may read layer ``layer`` of its
         device slots (for CUDA, once the *current stream* is made to wait for it)."""
 
+    def _copy_now(self, copy: Copy) -> None:
+        """Move ``copy``'s bytes synchronously, reading the source as it is now."""
+        if copy.direction == "d2h":
+            self.host_pool.copy_from_device(self.device_pool, copy.device_slots,
+                                            copy.host_slots)
+        else:
+            self.host_pool.copy_to_device(self.device_pool, copy.host_slots,
+                                          copy.device_slots)
+        copy.completed = True
+
     # -- the interface -------------------------------------------------------------------
 
     def submit(self, direction: Direction, device_slots: torch.Tensor,
@@ -180,13 +190,7 @@ class SyncCopyEngine(TransferEngine):
     submitted copy is finished at once; the rest of the contract is unchanged."""
 
     def _start(self, copy: Copy) -> None:
-        if copy.direction == "d2h":
-            self.host_pool.copy_from_device(self.device_pool, copy.device_slots,
-                                            copy.host_slots)
-        else:
-            self.host_pool.copy_to_device(self.device_pool, copy.host_slots,
-                                          copy.device_slots)
-        copy.completed = True
+        self._copy_now(copy)
 
     def _retire(self, copy: Copy) -> None:
         """Nothing left to do: the bytes moved at submit."""
@@ -228,13 +232,7 @@ class ControlledCopyEngine(TransferEngine):
             raise SlotError("count", f"{count} exceeds the {len(waiting)} queued {checked} "
                                      "copies")
         for copy in waiting[:count]:
-            if checked == "d2h":
-                self.host_pool.copy_from_device(self.device_pool, copy.device_slots,
-                                                copy.host_slots)
-            else:
-                self.host_pool.copy_to_device(self.device_pool, copy.host_slots,
-                                              copy.device_slots)
-            copy.completed = True
+            self._copy_now(copy)
 
     def wait_layer(self, ticket: int, layer: int) -> None:
         """Fine once the copy is completed; before that the bytes cannot be there, so
