@@ -30,8 +30,10 @@ class Config:
             raise ConfigError("page_size", f"must be an int >= 1, got {self.page_size!r}")
         for name in ("device_slots", "host_slots"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < self.page_size:
-                raise ConfigError(name, f"must be an int >= page_size, got {value!r}")
+            # host_slots == 0: no host tier (a device-only radix cache, spec/01).
+            low = 0 if name == "host_slots" else self.page_size
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(name, f"must be an int >= {low}, got {value!r}")
             if value % self.page_size:
                 raise ConfigError(name, f"{value} is not a multiple of page_size {self.page_size}")
         if self.write_policy not in WRITE_POLICIES:
@@ -43,7 +45,10 @@ class Config:
 
     @property
     def write_through_threshold(self) -> int | None:
-        """Hits after which a page is backed up; None when backup waits for eviction."""
+        """Hits after which a page is backed up; None when backup waits for eviction or
+        there is no host tier."""
+        if self.host_slots == 0:
+            return None
         if self.write_policy == "write_through":
             return 1
         if self.write_policy == "write_through_selective":
