@@ -57,9 +57,10 @@ def _transfer(cache: HiRadixCache, copy: PendingCopy, direction: str) -> Transfe
                     tuple(copy.dst.tolist()), lock)
 
 
-def _kv(read: torch.Tensor, expected: dict[int, Key], slots: list[int], layers: int,
-        token_shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, Key]:
-    """``expected`` with every slot in ``slots`` checked against the bytes ``read``."""
+def decode_kv(read: torch.Tensor, expected: dict[int, Key], slots: list[int], layers: int,
+              token_shape: tuple[int, ...], dtype: torch.dtype) -> dict[int, Key]:
+    """``expected`` with every slot in ``slots`` checked against the bytes ``read``
+    (``[layers, len(slots), *token_shape]``); a mismatch becomes ``CORRUPT``."""
     result = dict(expected)
     known = [s for s in slots if s in expected]
     if not known:
@@ -97,8 +98,9 @@ def abstract(cache: HiRadixCache, model: State) -> State:
         device_free=device_free,
         host_free=host_pool.free_slots(),
         held=held,
-        device_kv=_kv(device_read, dict(model.device_kv), visible_device, layers, shape, dtype),
-        host_kv=_kv(host_read, dict(model.host_kv), visible_host, layers, shape, dtype),
+        device_kv=decode_kv(device_read, dict(model.device_kv), visible_device, layers, shape,
+                            dtype),
+        host_kv=decode_kv(host_read, dict(model.host_kv), visible_host, layers, shape, dtype),
         pending=pending,
         clock=cache.last_tick,
         evictable_tokens=cache.evictable_tokens,

@@ -55,6 +55,7 @@ class Tally:
     ops: Counter[str] = field(default_factory=Counter)
     exercised: Counter[str] = field(default_factory=Counter)  # steps where an ID had work
     last_trace: list[trace.Step] = field(default_factory=list)  # the latest example's steps
+    last_config: Config | None = None  # the latest example's model configuration
 
 
 # For the summary: a step exercises an invariant when the state gives it something to

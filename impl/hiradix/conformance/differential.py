@@ -1,0 +1,300 @@
+"""The differential suite: the model beside any engine, through its adapter.
+
+The same rules as the implementation's conformance machine (``machine.py``), spoken
+through ``EngineAdapter`` only: requests that match, load back, lock, allocate, insert
+and unlock; returning requests; caller locks; eviction on both tiers; acknowledgements;
+reset. A rule whose operation the engine lacks is skipped by its precondition. The
+engine's choices are inferred from its state (``infer``); the model validates them.
+After every step the engine's abstract state must equal the model's (with the adapter's
+declared adoptions), and every invariant must hold on both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hiradix.conformance import infer
+from hiradix.conformance.adapters.base import EngineAdapter
+from hiradix.conformance.infer import left_device, left_host
+from hiradix.conformance.machine import EXERCISED, Tally, describe_difference
+from hiradix_model import Key, ModelError, State, initial, ops, trace, violations
+from hiradix_model.keys import content_at, page_keys, sort_key
+from hiradix_model.ops._draft import Draft
+from hiradix_model.ops.backup import backup_run
+from hiradix_model.ops.insert import insert_pages
+
+tokens = st.lists(st.integers(1, 3), max_size=14).map(tuple)
+namespaces = st.sampled_from([None, None, "b"])
+
+
+def adopt(model: State, engine: State, fields: frozenset[str]) -> State:
+    """``model`` with the adapter's adopted per-page fields taken from ``engine``."""
+    if not fields:
+        return model
+    pages = {}
+    for key, page in model.pages.items():
+        seen = engine.pages.get(key)
+        pages[key] = page if seen is None else replace(
+            page, **{f: getattr(seen, f) for f in fields})
+    return replace(model, pages=pages)
+
+
+def deepest_on_device(state: State, page: Key) -> Key | None:
+    """The deepest page on ``page``'s root path that is on device (None: the root)."""
+    found = None
+    for key in page_keys(page, state.config.page_size):
+        record = state.pages.get(key)
+        if record is None or record.device is None:
+            break
+        found = key
+    return found
+
+
+def chain_tokens(state: State, page: Key) -> int:
+    """Tokens of the host-only chain ending at ``page``."""
+    return state.config.page_size * sum(
+        state.pages[k].device is None for k in page_keys(page, state.config.page_size))
+
+
+def make_differential(factory: Callable[[], EngineAdapter],
+                      tally: Tally | None = None) -> type[RuleBasedStateMachine]:
+    """A state machine class driving the engines ``factory`` builds, one per example."""
+    counts = tally if tally is not None else Tally()
+
+    class Differential(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.engine = factory()
+            self.model = initial(self.engine.config)
+            self.adopted = frozenset(self.engine.adopted)
+            self.now = 0
+            self.caller_locks: list[Key | None] = []
+            self.seen: list[Key] = []
+            self.trace: list[trace.Step] = []
+            counts.examples += 1
+            counts.last_trace = self.trace
+            counts.last_config = self.engine.config
+
+        def teardown(self) -> None:
+            self.engine.close()
+
+        # -- plumbing -----------------------------------------------------------------
+
+        def has(self, operation: str) -> bool:
+            return operation in self.engine.operations
+
+        def step(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
+                 **kwargs: object) -> object:
+            arguments = trace.encode_call(op, *args, **kwargs)
+            try:
+                self.model, observation = op(self.model, *args, **kwargs)
+            except ModelError:
+                self.trace.append(trace.Step(name, arguments))
+                raise
+            self.trace.append(trace.Step(name, arguments, trace.encode_observation(observation)))
+            counts.ops[name] += 1
+            counts.steps += 1
+            return observation
+
+        def agree(self, engine: object, model: object) -> None:
+            last = self.trace[-1]
+            self.trace[-1] = trace.Step(last.op, last.args, trace.encode_observation(engine))
+            assert engine == model, f"{last.op}: {self.engine.name} {engine!r}, model {model!r}"
+
+        def observe(self) -> State:
+            """The engine's state; the model adopts the adapter's adopted fields from it
+            first, so that choices are judged on the engine's own ranks."""
+            seen = self.engine.observe(self.model)
+            self.model = adopt(self.model, seen, self.adopted)
+            return seen
+
+        def tick(self, dt: int) -> int:
+            self.now += dt
+            self.engine.set_time(self.now)
+            return self.now
+
+        def evict_both(self, num_tokens: int) -> None:
+            before = self.observe()
+            evicted = self.engine.evict(num_tokens)
+            chosen = infer.device_victims(self.model, before, self.observe(), num_tokens)
+            self.agree(evicted, self.step("evict", ops.evict, num_tokens, chosen))
+
+        def load_both(self, page: Key) -> None:
+            before = self.observe()
+            loaded, last = self.engine.init_load_back(page, None)
+            after = self.observe()
+            slots = infer.loaded_slots(before, after, page)
+            if "evict_for_whole_load" in self.engine.mapped and left_device(before, after):
+                # DEV-8: the engine evicted for the whole load, not the shortfall, with the
+                # chain's anchor locked. The model takes exactly those steps, then the load.
+                anchor = deepest_on_device(self.model, page)
+                self.step("inc_lock_ref", ops.inc_lock_ref, anchor)
+                tokens = len(slots) if slots else chain_tokens(self.model, page)
+                victims = infer.device_victims(self.model, before, after, tokens)
+                self.step("evict", ops.evict, tokens, victims)
+                self.step("dec_lock_ref", ops.dec_lock_ref, anchor)
+                before = after
+            shortfall = len(slots or ()) - len(self.model.device_free)
+            victims = infer.device_victims(self.model, before, after, max(0, shortfall))
+            result = self.step("init_load_back", ops.init_load_back, page, None,
+                               device_victims=victims, device_slots=slots)
+            self.agree((loaded, last), result)
+
+        # -- the operations ------------------------------------------------------------
+
+        @rule(tokens=tokens, namespace=namespaces, dt=st.integers(0, 2),
+              chunked=st.booleans(), priority=st.integers(0, 2), keep_lock=st.booleans())
+        def request(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
+                    chunked: bool, priority: int, keep_lock: bool) -> None:
+            key = Key(tokens, namespace)
+            self.serve(key, dt, chunked, priority, keep_lock)
+            self.seen.append(key)
+
+        @precondition(lambda self: bool(self.seen))
+        @rule(index=st.integers(0, 63), evict_first=st.integers(0, 24))
+        def request_again(self, index: int, evict_first: int) -> None:
+            if evict_first and self.has("writing_check") and self.model.pending:
+                self.writing_check()
+            if evict_first:
+                self.evict_both(evict_first)
+            self.serve(self.seen[index % len(self.seen)], 1, False, 0, False)
+
+        def serve(self, key: Key, dt: int, chunked: bool, priority: int,
+                  keep_lock: bool) -> None:
+            now = self.tick(dt)
+            got = self.engine.match_prefix(key)
+            want = self.step("match_prefix", ops.match_prefix, key, now)
+            self.agree(got, want)
+            assert isinstance(want, ops.MatchResult)
+            if want.host_hit_tokens and self.has("load_back") and want.last_host_page is not None:
+                self.load_both(want.last_host_page)
+                got = self.engine.match_prefix(key)
+                want = self.step("match_prefix", ops.match_prefix, key, now)
+                self.agree(got, want)
+                assert isinstance(want, ops.MatchResult)
+            locked = want.last_device_page
+            self.agree(self.engine.inc_lock_ref(locked),
+                       self.step("inc_lock_ref", ops.inc_lock_ref, locked))
+            cached = len(want.device_slots)
+            need = len(key.tokens) - cached
+            ps = self.model.config.page_size
+            alloc_tokens = math.ceil(need / ps) * ps
+            free = self.engine.num_free_slots()
+            if alloc_tokens > free:
+                self.evict_both(alloc_tokens - free)
+            new = self.engine.alloc(alloc_tokens) if alloc_tokens else None
+            if new is not None:
+                self.step("alloc", ops.alloc, key, cached, new)
+                self.engine.write_kv(new[:need], [content_at(key, cached + i)
+                                                  for i in range(need)])
+                slots = want.device_slots + new[:need]
+                now = self.tick(dt)
+                draft = Draft(self.model)
+                _, due = insert_pages(draft, key, slots, now, priority, chunked)
+                run = backup_run(draft, due)
+                before = self.observe()
+                prefix = self.engine.insert(key, slots, priority=priority, chunked=chunked)
+                after = self.observe()
+                if "evict_host_for_whole_node" in self.engine.mapped and left_host(before, after):
+                    # DEV-8: the engine made host room for a whole node, not the shortfall;
+                    # under write-through the order does not matter (DEV-15).
+                    tokens = sum(self.model.config.page_size for k in left_host(before, after))
+                    self.step("evict_host", ops.evict_host, tokens,
+                              infer.host_victims(self.model, before, after, tokens))
+                    before = replace(before, pages={k: p for k, p in before.pages.items()
+                                                    if k not in left_host(before, after)})
+                report = infer.backup(self.model, before, after, run)
+                result = self.step("insert", ops.insert, key, slots, now, priority=priority,
+                                   chunked=chunked, backup=report)
+                assert isinstance(result, ops.InsertResult)
+                self.agree(prefix, result.prefix_tokens)
+                leftover = tuple(s for s in new if s in self.model.held)
+                if leftover:
+                    self.engine.free(leftover)
+                    self.step("free", ops.free, leftover)
+            if keep_lock and locked is not None:
+                self.caller_locks.append(locked)
+            else:
+                self.agree(self.engine.dec_lock_ref(locked),
+                           self.step("dec_lock_ref", ops.dec_lock_ref, locked))
+
+        @precondition(lambda self: bool(self.caller_locks))
+        @rule(index=st.integers(0, 63))
+        def unlock(self, index: int) -> None:
+            page = self.caller_locks.pop(index % len(self.caller_locks))
+            self.agree(self.engine.dec_lock_ref(page),
+                       self.step("dec_lock_ref", ops.dec_lock_ref, page))
+
+        @rule(num_tokens=st.integers(0, 12))
+        def evict(self, num_tokens: int) -> None:
+            self.evict_both(num_tokens)
+
+        @precondition(lambda self: self.has("evict_host"))
+        @rule(num_tokens=st.integers(0, 12))
+        def evict_host(self, num_tokens: int) -> None:
+            before = self.observe()
+            evicted = self.engine.evict_host(num_tokens)
+            chosen = infer.host_victims(self.model, before, self.observe(), num_tokens)
+            self.agree(evicted, self.step("evict_host", ops.evict_host, num_tokens, chosen))
+
+        @precondition(lambda self: self.has("writing_check")
+                      and any(t.direction == "d2h" for t in self.model.pending))
+        @rule()
+        def writing_check(self) -> None:
+            self.step("writing_check", ops.writing_check, self.engine.writing_check())
+
+        @precondition(lambda self: self.has("loading_check")
+                      and any(t.direction == "h2d" for t in self.model.pending))
+        @rule()
+        def loading_check(self) -> None:
+            self.step("loading_check", ops.loading_check, self.engine.loading_check())
+
+        @precondition(lambda self: self.has("load_back"))
+        @rule(index=st.integers(0, 63))
+        def load_back(self, index: int) -> None:
+            host_only = sorted((k for k, p in self.model.pages.items() if p.device is None),
+                               key=sort_key)
+            if not host_only:
+                return
+            # An engine loads what a match found: matching first puts a node boundary at
+            # the page, as serving would.
+            page = host_only[index % len(host_only)]
+            got = self.engine.match_prefix(page)
+            want = self.step("match_prefix", ops.match_prefix, page, self.tick(0))
+            self.agree(got, want)
+            assert isinstance(want, ops.MatchResult)
+            if want.last_host_page is not None and want.host_hit_tokens:
+                self.load_both(want.last_host_page)
+
+        @precondition(lambda self: self.has("reset") and not (
+            self.model.pending and "reset_with_copies_in_flight" in self.engine.avoid))
+        @rule(go=st.integers(0, 15))
+        def reset(self, go: int) -> None:
+            if go == 0:
+                self.engine.reset()
+                self.step("reset", ops.reset)
+                self.caller_locks.clear()
+
+        # -- after every step -------------------------------------------------------------
+
+        @invariant()
+        def engine_refines_the_model(self) -> None:
+            seen = self.observe()
+            found = violations(self.model)
+            assert not found, f"the model broke its own invariants: {found}"
+            if seen != self.model:
+                raise AssertionError(f"{self.engine.name} and the model disagree:\n"
+                                     + describe_difference(seen, self.model))
+            broken = violations(seen)
+            assert not broken, f"{self.engine.name} breaks {broken}"
+            counts.checks += 1
+            for spec_id, busy in EXERCISED.items():
+                if busy(self.model):
+                    counts.exercised[spec_id] += 1
+
+    return Differential
