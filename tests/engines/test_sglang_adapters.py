@@ -1,0 +1,57 @@
+"""SGLang 0.5.20's RadixCache and HiRadixCache against the model (skipped without SGLang).
+
+Run from the SGLang environment: ``make sglang-env``, then
+``.venv-sglang/bin/python -m pytest tests/engines``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.hiradix_cache",
+                    reason="SGLang is not installed here (make sglang-env)")
+
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from hiradix.conformance.adapters import factory
+from hiradix.conformance.adapters.sglang import SglangAdapter
+from hiradix.conformance.differential import make_differential
+from hiradix.conformance.scenario import Scenario
+from hiradix_model import Key, initial
+
+SCENARIOS = [Scenario(page_size=ps, write_policy=policy, eviction=strategy)  # type: ignore[arg-type]
+             for ps, policy, strategy in [
+                 (1, "write_through", "lru"), (2, "write_through_selective", "lfu"),
+                 (4, "write_through", "fifo"), (1, "write_through_selective", "slru"),
+                 (2, "write_through", "priority"), (4, "write_through", "mru"),
+                 (1, "write_through", "filo")]]
+
+
+def bounded() -> settings:
+    current = settings()
+    return settings(current, max_examples=max(1, current.max_examples // 15))
+
+
+@pytest.mark.parametrize("engine", ["sglang-radix", "sglang"])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.slug())
+def test_sglang_refines_the_model(engine: str, scenario: Scenario) -> None:
+    run_state_machine_as_test(make_differential(factory(engine, scenario)), settings=bounded())
+
+
+def test_dev19_reset_keeps_stale_write_acks() -> None:
+    """spec/07 DEV-19, reproduced: a reset with a backup in flight leaves the backup's
+    acknowledgement entry behind, and restarts node ids so a new node reuses its id.
+    If this test fails, SGLang fixed it: update DEV-19 and drop the adapter's `avoid`."""
+    adapter = SglangAdapter(Scenario(page_size=1), hierarchical=True)
+    model = initial(adapter.config)
+    slots = adapter.alloc(2)
+    assert slots is not None
+    adapter.insert(Key((1, 2)), slots, priority=0, chunked=False)  # write_through: backup
+    assert adapter.cache.ongoing_write_through, "the insert issued no backup"
+    adapter.reset()
+    stale = dict(adapter.cache.ongoing_write_through)
+    assert stale, "reset cleared the pending backup: DEV-19 is fixed upstream"
+    seen = adapter.observe(model)
+    assert seen.pending and not seen.pages, "the abstraction must show the stale copy"
+    adapter.close()

@@ -1,0 +1,1 @@
+from torchvision.transforms.v2 import functional  # noqa: F401
