@@ -462,7 +462,8 @@ class HiRadixCache:
             parent = node.parent
             assert parent is not None
             if node.host is not None or self.config.write_policy != "write_back":
-                victims.extend(DeviceVictim(p) for p in self._page_refs(node))
+                if self.recorder is not None:  # page refs cost O(prefix) to build
+                    victims.extend(DeviceVictim(p) for p in self._page_refs(node))
                 evicted += self._drop_device_copy(node)
             else:
                 if len(node.tokens) > self.page_size:
@@ -558,7 +559,8 @@ class HiRadixCache:
                 continue
             parent = node.parent
             assert parent is not None and node.host is not None
-            victims.extend(self._page_refs(node))
+            if self.recorder is not None:
+                victims.extend(self._page_refs(node))
             self.host_pool.free(node.host)
             evicted += len(node.tokens)
             node.host = None

@@ -19,8 +19,10 @@ from collections.abc import Sequence
 
 from hypothesis import HealthCheck, settings
 from hypothesis.reporting import with_reporter
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
+from hiradix.conformance.adapters import ENGINES, factory
+from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, Tally, make_machine
 from hiradix.conformance.scenario import Scenario
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
@@ -29,28 +31,50 @@ from hiradix_model import trace
 DEFAULT_PAGE_SIZES = (1, 2, 4, 16)
 
 
+COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance machine
+# Engines driven through an adapter by the differential suite, which covers the
+# write-through policies (its choice inference does not model write-back eviction).
+DIFFERENTIAL_POLICIES = ("write_through", "write_through_selective")
+
+
 def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Sequence[str],
            engine: str, device: str) -> list[Scenario]:
     """Every combination, in an order that varies every axis early."""
-    combos = list(itertools.product(page_sizes, policies, strategies,
-                                    ("layer_first", "page_first"), ("mha", "mla")))
+    differential = engine not in COPY_ENGINES
+    layouts = ("layer_first",) if differential else ("layer_first", "page_first")
+    kinds = ("mha",) if differential else ("mha", "mla")
+    combos = list(itertools.product(page_sizes, policies, strategies, layouts, kinds))
     random.Random(0).shuffle(combos)
+    copies = engine if engine in COPY_ENGINES else "controlled"
     return [Scenario(page_size=ps, write_policy=policy, eviction=strategy,  # type: ignore[arg-type]
-                     host_layout=host, kv_layout=kv, engine=engine, device=device)  # type: ignore[arg-type]
+                     host_layout=host, kv_layout=kv, engine=copies, device=device)  # type: ignore[arg-type]
             for ps, policy, strategy, host, kv in combos]
 
 
-def reproducer(scenario: Scenario, report: list[str]) -> str:
+def machine_for(engine: str, scenario: Scenario,
+                tally: Tally) -> type[RuleBasedStateMachine]:
+    if engine in COPY_ENGINES:
+        return make_machine(scenario, tally)
+    return make_differential(factory(engine, scenario), tally)
+
+
+def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled") -> str:
     steps = [line.strip() for line in report
              if line.strip().startswith("state.") and "teardown" not in line]
+    if engine in COPY_ENGINES:
+        header = ["from hiradix.conformance.machine import make_machine",
+                  "from hiradix.conformance.scenario import Scenario", "",
+                  f"Machine = make_machine({scenario!r})", "state = Machine()",
+                  "state.refines_the_model()"]
+    else:
+        header = ["from hiradix.conformance.adapters import factory",
+                  "from hiradix.conformance.differential import make_differential",
+                  "from hiradix.conformance.scenario import Scenario", "",
+                  f"Machine = make_differential(factory({engine!r}, {scenario!r}))",
+                  "state = Machine()", "state.engine_refines_the_model()"]
     lines = [
         "# Reproducer written by `hiradix check`: run it with python.",
-        "from hiradix.conformance.machine import make_machine",
-        "from hiradix.conformance.scenario import Scenario",
-        "",
-        f"Machine = make_machine({scenario!r})",
-        "state = Machine()",
-        "state.refines_the_model()",
+        *header,
         *steps,
         "state.teardown()",
         'print("no failure reproduced")',
@@ -84,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         report: list[str] = []
         try:
             with with_reporter(report.append):
-                run_state_machine_as_test(make_machine(scenario, tally), settings=batch)
+                run_state_machine_as_test(machine_for(args.engine, scenario, tally),
+                                          settings=batch)
         except Exception as failure:  # the reporting boundary: every
             # failure of the machine (a disagreement, an invariant, an illegal choice, a
             # crash) is a finding to print with its reproducer, then exit 1.
@@ -94,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             # distinct failures it raises a group: report the first.
             if isinstance(failure, ExceptionGroup):
                 failure = failure.exceptions[0]
-            script = reproducer(scenario, report + list(getattr(failure, "__notes__", [])))
+            script = reproducer(scenario, report + list(getattr(failure, "__notes__", [])),
+                                args.engine)
             print(f"FAILED on {scenario}\n{type(failure).__name__}: {failure}\n")
             print("Shrunk reproducer:\n" + script)
             if args.reproducer:
@@ -102,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                     handle.write(script)
                 print(f"(written to {args.reproducer})")
             if args.trace:
-                trace.write(args.trace, scenario.model_config(), "hiradix", tally.last_trace)
+                config = tally.last_config or scenario.model_config()
+                trace.write(args.trace, config, engine_label(args.engine), tally.last_trace)
                 print(f"(trace of the shrunk example written to {args.trace}: "
                       f"`hiradix replay {args.trace}`)")
             return 1
@@ -149,11 +176,20 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                        default=list(DEFAULT_PAGE_SIZES))
     check.add_argument("--policies", type=lambda v: v.split(","), default=list(WRITE_POLICIES))
     check.add_argument("--strategies", type=lambda v: v.split(","), default=list(STRATEGIES))
-    check.add_argument("--engine", choices=("controlled", "cuda"), default="controlled")
+    check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES), default="controlled",
+                       help="controlled / cuda: ours through the full conformance machine "
+                            "(copies finished in any order); ours / sglang-radix / sglang: "
+                            "an engine adapter through the differential suite")
     check.add_argument("--device", default="cpu")
     check.add_argument("--reproducer", default=None, help="write the reproducer script here")
     check.add_argument("--trace", default=None,
                        help="on a failure, write the shrunk example as a JSONL trace here")
+    bench = sub.add_parser("bench", help="ours against SGLang 0.5.20 on serving workloads")
+    bench.add_argument("--page-sizes", type=lambda v: [int(x) for x in v.split(",")],
+                       default=[1, 16])
+    bench.add_argument("--scale", type=float, default=1.0,
+                       help="requests per workload, relative to the default (about a minute)")
+    bench.add_argument("--seed", type=int, default=0)
     replay_cmd = sub.add_parser("replay", help="check a JSONL trace against the model")
     replay_cmd.add_argument("path", help="the trace (spec/08-traces.md)")
     return parser.parse_args(argv)
@@ -171,10 +207,28 @@ def replay(path: str) -> int:
     return 1
 
 
+def engine_label(engine: str) -> str:
+    return "hiradix" if engine in (*COPY_ENGINES, "ours") else f"{engine} 0.5.20"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.command == "replay":
         return replay(args.path)
+    if args.command == "bench":
+        from hiradix.conformance.bench import main as bench_main
+        return bench_main(args)
+    if args.engine not in COPY_ENGINES:
+        unsupported = sorted(set(args.policies) - set(DIFFERENTIAL_POLICIES))
+        if unsupported:
+            if args.policies != list(WRITE_POLICIES):
+                print(f"--policies: the differential suite covers {DIFFERENTIAL_POLICIES}, "
+                      f"not {unsupported}", file=sys.stderr)
+                return 2
+            args = replace_namespace(args, policies=list(DIFFERENTIAL_POLICIES))
+        if args.page_sizes == list(DEFAULT_PAGE_SIZES):
+            # Requests are up to 14 tokens: page size 16 would cache nothing.
+            args = replace_namespace(args, page_sizes=[1, 2, 4])
     if args.engine == "cuda" and args.device == "cpu":
         args = replace_namespace(args, device="cuda")
     return run(args)
