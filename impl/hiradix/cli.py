@@ -140,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary(tally, covered, len(scenarios), time.monotonic() - started)
+    if args.record:
+        config = tally.last_config or scenarios[0].model_config()
+        trace.write(args.record, config, engine_label(args.engine), tally.last_trace)
+        print(f"(trace of the last example written to {args.record}: "
+              f"`hiradix replay {args.record}`)")
     return 0
 
 
@@ -190,6 +195,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     bench.add_argument("--scale", type=float, default=1.0,
                        help="requests per workload, relative to the default (about a minute)")
     bench.add_argument("--seed", type=int, default=0)
+    check.add_argument("--record", default=None,
+                       help="after a clean run, write the last example as a JSONL trace here")
     replay_cmd = sub.add_parser("replay", help="check a JSONL trace against the model")
     replay_cmd.add_argument("path", help="the trace (spec/08-traces.md)")
     return parser.parse_args(argv)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, cast
 
 from hiradix_model import ops
 from hiradix_model.config import Config
@@ -98,6 +98,38 @@ class Step:
         return json.dumps({"op": self.op, "args": self.args, "observed": self.observed})
 
 
+# Per-page fields whose meaning the spec chose differently from an engine's (spec/07):
+# a differential run lets the model take the engine's values, and says so in the trace.
+ADOPTABLE = ("last_tick", "insert_tick", "hits", "host_protect")
+
+
+def adopt(state: State, changes: dict[Key, dict[str, int]]) -> State:
+    """``state`` with the engine's values of adoptable fields on existing pages (spec/08,
+    the ``adopt`` directive). Raises ValueError for an unknown page, field or value."""
+    pages = dict(state.pages)
+    for page, fields in changes.items():
+        if page not in pages:
+            raise ValueError(f"adopt: {page} is not cached")
+        bad = set(fields) - set(ADOPTABLE)
+        if bad:
+            raise ValueError(f"adopt: {sorted(bad)} are not adoptable fields {ADOPTABLE}")
+        if any(not isinstance(v, int) or v < 0 for v in fields.values()):
+            raise ValueError(f"adopt: values must be ints >= 0, got {fields}")
+        pages[page] = replace(pages[page], **cast(dict[str, Any], fields))  # ints, checked
+    return replace(state, pages=pages)
+
+
+def adopt_step(changes: dict[Key, dict[str, int]], why: str) -> Step:
+    return Step("adopt", {"pages": [{"page": encode_key(k), **v} for k, v in changes.items()],
+                          "why": why})
+
+
+def _adopt(state: State, args: dict[str, Json]) -> tuple[State, object]:
+    changes = {_key(entry["page"]): {f: entry[f] for f in entry if f != "page"}
+               for entry in args["pages"]}
+    return adopt(state, changes), None
+
+
 # How each operation's JSON arguments become the model call. One entry per operation.
 CALLS: dict[str, Callable[[State, dict[str, Json]], tuple[State, object]]] = {
     "match_prefix": lambda s, a: ops.match_prefix(s, _key(a["key"]), a["now"]),
@@ -125,6 +157,7 @@ CALLS: dict[str, Callable[[State, dict[str, Json]], tuple[State, object]]] = {
         device_victims=tuple(decode_victim(v) for v in a.get("device_victims", [])),
         device_slots=_slots(a.get("device_slots"))),
     "reset": lambda s, a: ops.reset(s),
+    "adopt": _adopt,
 }
 
 

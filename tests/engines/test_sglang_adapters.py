@@ -6,6 +6,8 @@ Run from the SGLang environment: ``make sglang-env``, then
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("sglang.srt.mem_cache.hiradix_cache",
@@ -14,11 +16,14 @@ pytest.importorskip("sglang.srt.mem_cache.hiradix_cache",
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from hiradix.cli import main
 from hiradix.conformance.adapters import factory
 from hiradix.conformance.adapters.sglang import SglangAdapter
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
-from hiradix_model import Key, initial
+from hiradix_model import Key, initial, trace
+
+from fixed_runs import drive
 
 SCENARIOS = [Scenario(page_size=ps, write_policy=policy, eviction=strategy)  # type: ignore[arg-type]
              for ps, policy, strategy in [
@@ -55,3 +60,20 @@ def test_dev19_reset_keeps_stale_write_acks() -> None:
     seen = adapter.observe(model)
     assert seen.pending and not seen.pages, "the abstraction must show the stale copy"
     adapter.close()
+
+
+def test_a_trace_recorded_from_sglang_replays_clean(tmp_path: Path) -> None:
+    """spec/08: SGLang's run as a trace, adopt directives included, that the model accepts."""
+    path = tmp_path / "sglang.jsonl"
+    assert main(["check", "--engine", "sglang", "--examples", "8", "--steps", "30",
+                 "--page-sizes", "1", "--record", str(path)]) == 0
+    lines = path.read_text().splitlines()
+    assert '"engine": "sglang 0.5.20"' in lines[0]
+    applied, finding = trace.replay(lines)
+    assert finding is None, finding
+    assert applied == len(lines) - 1
+
+
+def test_a_fixed_sglang_run_replays_clean() -> None:
+    lines = drive(Scenario(page_size=1), "sglang")
+    assert trace.replay(lines) == (len(lines) - 1, None)

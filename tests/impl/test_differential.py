@@ -8,20 +8,25 @@ model rejects, or an order R1 forbids, these runs would fail.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from hiradix.cli import main
 from hiradix.conformance import infer
 from hiradix.conformance.adapters import factory
 from hiradix.conformance.adapters.ours import OursAdapter
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
 from hiradix.policies import STRATEGIES
-from hiradix_model import Config, Key, Page, State, Victim, initial, ops
+from hiradix_model import Config, Key, Page, State, Victim, initial, ops, trace
 from hiradix_model.errors import IllegalChoice
+
+from fixed_runs import drive
 
 SCENARIOS = [Scenario(page_size=(1, 2, 4)[i % 3], write_policy=policy, eviction=strategy)  # type: ignore[arg-type]
              for i, (policy, strategy) in enumerate(
@@ -70,3 +75,47 @@ def test_inference_hands_an_unexplainable_set_to_the_model() -> None:
 def test_ours_adapter_declares_no_mappings() -> None:
     adapter = OursAdapter(Scenario())
     assert not adapter.adopted and not adapter.mapped and not adapter.avoid
+
+
+def test_a_recorded_trace_of_ours_replays_clean(tmp_path: Path) -> None:
+    """`hiradix check --engine ours --record` writes a trace `hiradix replay` accepts."""
+    path = tmp_path / "ours.jsonl"
+    assert main(["check", "--engine", "ours", "--examples", "6", "--steps", "25",
+                 "--record", str(path)]) == 0
+    lines = path.read_text().splitlines()
+    assert len(lines) > 1 and '"engine": "hiradix"' in lines[0]
+    applied, finding = trace.replay(lines)
+    assert finding is None and applied == len(lines) - 1
+
+
+def test_replay_points_at_a_tampered_observation() -> None:
+    lines = drive(Scenario(page_size=1), "ours")
+    index = next(i for i, line in enumerate(lines) if '"op": "evict"' in line)
+    record = json.loads(lines[index])
+    record["observed"] = (record["observed"] or 0) + 1
+    lines[index] = json.dumps(record)
+    _, finding = trace.replay(lines)
+    assert finding is not None and finding.line == index + 1 and finding.op == "evict"
+
+
+def test_a_fixed_run_of_ours_replays_clean() -> None:
+    lines = drive(Scenario(page_size=1), "ours")
+    assert trace.replay(lines) == (len(lines) - 1, None)
+
+
+def test_inference_backtracks_when_a_kept_leaf_would_outrank_the_next_victim() -> None:
+    """MRU, target 3. The engine evicted (3, 2), and the node (1,)b-(1, 3)b, and kept (3,)
+    (tick 2). Taking (3, 2) first would make (3,) the most recent leaf, which must then go
+    next: the only legal order takes the other node first, and (3, 2) last."""
+    x, y = Key((3,)), Key((3, 2))
+    z, w = Key((1,), "b"), Key((1, 3), "b")
+    pages = {x: Page((0,), (0,), last_tick=2), y: Page((1,), (1,)), z: Page((2,), (2,)),
+             w: Page((3,), (3,))}
+    config = Config(page_size=1, device_slots=4, host_slots=4, eviction="mru")
+    before = replace(initial(config), pages=pages, device_free=frozenset(), clock=2)
+    after = replace(before, pages={k: replace(p, device=None) if k != x else p
+                                   for k, p in pages.items()},
+                    device_free=frozenset({1, 2, 3}))
+    chosen = infer.device_victims(before, before, after, 3)
+    assert chosen == (Victim(w), Victim(z), Victim(y))
+    ops.evict(before, 3, chosen)  # the model accepts it

@@ -32,16 +32,17 @@ tokens = st.lists(st.integers(1, 3), max_size=14).map(tuple)
 namespaces = st.sampled_from([None, None, "b"])
 
 
-def adopt(model: State, engine: State, fields: frozenset[str]) -> State:
-    """``model`` with the adapter's adopted per-page fields taken from ``engine``."""
-    if not fields:
-        return model
-    pages = {}
+def engine_values(model: State, engine: State, fields: frozenset[str]) -> dict[Key, dict[str, int]]:
+    """The adopted fields where the engine's value differs from the model's."""
+    changes: dict[Key, dict[str, int]] = {}
     for key, page in model.pages.items():
         seen = engine.pages.get(key)
-        pages[key] = page if seen is None else replace(
-            page, **{f: getattr(seen, f) for f in fields})
-    return replace(model, pages=pages)
+        if seen is None:
+            continue
+        differ = {f: getattr(seen, f) for f in fields if getattr(seen, f) != getattr(page, f)}
+        if differ:
+            changes[key] = differ
+    return changes
 
 
 def deepest_on_device(state: State, page: Key) -> Key | None:
@@ -72,6 +73,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
             self.engine = factory()
             self.model = initial(self.engine.config)
             self.adopted = frozenset(self.engine.adopted)
+            self.why = "; ".join(f"{k}: {v}" for k, v in self.engine.adopted.items())
             self.now = 0
             self.caller_locks: list[Key | None] = []
             self.seen: list[Key] = []
@@ -104,13 +106,19 @@ def make_differential(factory: Callable[[], EngineAdapter],
         def agree(self, engine: object, model: object) -> None:
             last = self.trace[-1]
             self.trace[-1] = trace.Step(last.op, last.args, trace.encode_observation(engine))
+            assert last.op != "adopt", "an observation follows its operation directly"
             assert engine == model, f"{last.op}: {self.engine.name} {engine!r}, model {model!r}"
 
-        def observe(self) -> State:
-            """The engine's state; the model adopts the adapter's adopted fields from it
-            first, so that choices are judged on the engine's own ranks."""
+        def observe(self, adopt: bool = True) -> State:
+            """The engine's state. Between operations (``adopt``) the model first takes
+            the adapter's adopted fields from it, so that choices are judged on the
+            engine's own ranks; never between an engine call and its model step, whose
+            state the model has not reached yet."""
             seen = self.engine.observe(self.model)
-            self.model = adopt(self.model, seen, self.adopted)
+            changes = engine_values(self.model, seen, self.adopted) if adopt else {}
+            if changes:
+                self.model = trace.adopt(self.model, changes)
+                self.trace.append(trace.adopt_step(changes, self.why))
             return seen
 
         def tick(self, dt: int) -> int:
@@ -121,13 +129,14 @@ def make_differential(factory: Callable[[], EngineAdapter],
         def evict_both(self, num_tokens: int) -> None:
             before = self.observe()
             evicted = self.engine.evict(num_tokens)
-            chosen = infer.device_victims(self.model, before, self.observe(), num_tokens)
+            chosen = infer.device_victims(self.model, before, self.observe(adopt=False),
+                                           num_tokens)
             self.agree(evicted, self.step("evict", ops.evict, num_tokens, chosen))
 
         def load_both(self, page: Key) -> None:
             before = self.observe()
             loaded, last = self.engine.init_load_back(page, None)
-            after = self.observe()
+            after = self.observe(adopt=False)
             slots = infer.loaded_slots(before, after, page)
             if "evict_for_whole_load" in self.engine.mapped and left_device(before, after):
                 # DEV-8: the engine evicted for the whole load, not the shortfall, with the
@@ -139,7 +148,8 @@ def make_differential(factory: Callable[[], EngineAdapter],
                 self.step("evict", ops.evict, tokens, victims)
                 self.step("dec_lock_ref", ops.dec_lock_ref, anchor)
                 before = after
-            shortfall = len(slots or ()) - len(self.model.device_free)
+            # The load's target is the whole chain, whether or not room was found.
+            shortfall = chain_tokens(self.model, page) - len(self.model.device_free)
             victims = infer.device_victims(self.model, before, after, max(0, shortfall))
             result = self.step("init_load_back", ops.init_load_back, page, None,
                                device_victims=victims, device_slots=slots)
@@ -199,7 +209,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
                 run = backup_run(draft, due)
                 before = self.observe()
                 prefix = self.engine.insert(key, slots, priority=priority, chunked=chunked)
-                after = self.observe()
+                after = self.observe(adopt=False)
                 if "evict_host_for_whole_node" in self.engine.mapped and left_host(before, after):
                     # DEV-8: the engine made host room for a whole node, not the shortfall;
                     # under write-through the order does not matter (DEV-15).
@@ -212,7 +222,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
                 result = self.step("insert", ops.insert, key, slots, now, priority=priority,
                                    chunked=chunked, backup=report)
                 assert isinstance(result, ops.InsertResult)
-                self.agree(prefix, result.prefix_tokens)
+                self.agree(ops.InsertResult(prefix, result.due), result)
                 leftover = tuple(s for s in new if s in self.model.held)
                 if leftover:
                     self.engine.free(leftover)
@@ -239,7 +249,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
         def evict_host(self, num_tokens: int) -> None:
             before = self.observe()
             evicted = self.engine.evict_host(num_tokens)
-            chosen = infer.host_victims(self.model, before, self.observe(), num_tokens)
+            chosen = infer.host_victims(self.model, before, self.observe(adopt=False), num_tokens)
             self.agree(evicted, self.step("evict_host", ops.evict_host, num_tokens, chosen))
 
         @precondition(lambda self: self.has("writing_check")

@@ -47,12 +47,14 @@ def _order(model: State, gone: set[Key], leaves_of: Leaves,
         if not remaining:
             return order
         budget[0] -= 1
-        leaves = leaves_of(replace(model, pages=pages)) & remaining
-        if not leaves or budget[0] < 0:
+        leaves = leaves_of(replace(model, pages=pages))
+        if not leaves & remaining or budget[0] < 0:
             return None
+        # Minimal among *all* evictable leaves: a victim must outrank those the engine
+        # kept too, or this order is not the one it took.
         best = min(eviction_key(strategy, pages[k]) for k in leaves)
-        ties = sorted((k for k in leaves if eviction_key(strategy, pages[k]) == best),
-                      key=sort_key)
+        ties = sorted((k for k in leaves & remaining
+                       if eviction_key(strategy, pages[k]) == best), key=sort_key)
         chain = parent_page(previous, ps) if previous else None
         if len(order) * ps >= target:  # target met: only the previous victim's chain
             ties = [chain] if chain in ties else []

@@ -127,6 +127,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             self.trace: list[trace.Step] = []
             counts.examples += 1
             counts.last_trace = self.trace  # after shrinking, the failing example's
+            counts.last_config = scenario.model_config()
 
         # -- plumbing -----------------------------------------------------------------
 
