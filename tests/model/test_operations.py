@@ -238,13 +238,24 @@ def test_reset_empties_the_cache() -> None:
 
 @pytest.mark.parametrize(("changes", "field"), [
     ({"page_size": 0}, "page_size"), ({"device_slots": 3, "page_size": 2}, "device_slots"),
-    ({"host_slots": 0}, "host_slots"), ({"write_policy": "sometimes"}, "write_policy"),
+    ({"host_slots": -1}, "host_slots"), ({"host_slots": 1, "page_size": 2}, "host_slots"),
+    ({"write_policy": "sometimes"}, "write_policy"),
     ({"eviction": "random"}, "eviction"), ({"load_back_threshold": -1}, "load_back_threshold"),
 ])
 def test_config_errors_name_the_field(changes: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError) as error:
         config(**changes)
     assert error.value.field == field
+
+
+def test_no_host_tier_backs_up_nothing_and_drops_on_eviction() -> None:
+    """host_slots = 0 (spec/01): a device-only cache, as SGLang's RadixCache."""
+    state = initial(config(host_slots=0))
+    state, _ = ops.alloc(state, Key((1, 2)), 0, (0, 1))
+    state, result = ops.insert(state, Key((1, 2)), (0, 1), 1)
+    assert result.due == () and all(p.host is None for p in state.pages.values())
+    state, freed = ops.evict(state, 2, (ops.Victim(Key((1, 2))), ops.Victim(Key((1,)))))
+    assert freed == 2 and not state.pages and not check(state)
 
 
 def test_bad_arguments_name_the_argument() -> None:
