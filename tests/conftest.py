@@ -20,8 +20,17 @@ settings.load_profile(os.environ.get("HIRADIX_PROFILE", "dev"))
 
 
 def pytest_terminal_summary(terminalreporter):  # type: ignore[no-untyped-def]
-    from stats import RUNS
+    from stats import RUNS, STORAGE_RUNS
 
+    if STORAGE_RUNS:
+        faults = ", ".join(f"{k[6:]}={v}" for k, v in sorted(STORAGE_RUNS.items())
+                           if k.startswith("fault "))
+        rules = ", ".join(f"{k}={v}" for k, v in sorted(STORAGE_RUNS.items())
+                          if k not in ("examples", "steps") and not k.startswith("fault "))
+        terminalreporter.write_line(
+            f"storage stateful runs: {STORAGE_RUNS['examples']} examples, "
+            f"{STORAGE_RUNS['steps']} steps; faults injected: {faults}; rules: {rules}"
+        )
     if RUNS:
         rules = ", ".join(f"{k}={v}" for k, v in sorted(RUNS.items())
                           if k not in ("examples", "steps"))

@@ -10,9 +10,11 @@ from hiradix_model.keys import Key
 from hiradix_model.ops import *  # noqa: F403
 from hiradix_model.ops import __all__ as _ops
 from hiradix_model.state import Page, State, Transfer, initial
+from hiradix_model.storage import PREFETCH_POLICIES, StorageId, StorageSettings, StorageState
 
 __all__ = [
     "INVARIANTS",
+    "PREFETCH_POLICIES",
     "STRATEGIES",
     "WRITE_POLICIES",
     "Config",
@@ -23,6 +25,9 @@ __all__ = [
     "Page",
     "PreconditionError",
     "State",
+    "StorageId",
+    "StorageSettings",
+    "StorageState",
     "Transfer",
     "check",
     "initial",

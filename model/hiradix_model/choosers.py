@@ -52,34 +52,35 @@ def _device_victims(
     draft: Draft, num_tokens: int, rng: random.Random, overshoot: bool
 ) -> tuple[Victim, ...]:
     victims: list[Victim] = []
+    kept: set[Key] = set()  # write_back victims that had to stay (spec/09, S-R5)
     evicted = 0
-    while evicted < num_tokens and (leaves := device_leaves(draft)):
+    while evicted < num_tokens and (leaves := device_leaves(draft) - kept):
         page = _lowest(draft, leaves, rng)
-        victims.append(_evict_one(draft, page, rng))
-        evicted += draft.ps
+        victim, tokens = _evict_one(draft, page, rng, kept)
+        victims.append(victim)
+        evicted += tokens
     # Finish the last victim's chain now and then, as whole-node eviction does.
     while overshoot and victims and rng.random() < 0.5:
         parent = draft.parent(victims[-1].page)
-        if parent is None or parent not in device_leaves(draft):
+        leaves = device_leaves(draft) - kept
+        if parent is None or parent not in leaves:
             break
         strategy = draft.config.eviction
         if eviction_key(strategy, draft.page(parent)) != min(
-            eviction_key(strategy, draft.page(k)) for k in device_leaves(draft)
+            eviction_key(strategy, draft.page(k)) for k in leaves
         ):
             break
-        victims.append(_evict_one(draft, parent, rng))
+        victims.append(_evict_one(draft, parent, rng, kept)[0])
     return tuple(victims)
 
 
-def _evict_one(draft: Draft, page: Key, rng: random.Random) -> Victim:
+def _evict_one(draft: Draft, page: Key, rng: random.Random, kept: set[Key]) -> tuple[Victim, int]:
     if draft.config.write_policy != "write_back" or draft.page(page).host is not None:
-        drop_device_copy(draft, page)
-        return Victim(page)
+        return Victim(page), drop_device_copy(draft, page)
     host_victims = _host_room(draft, draft.ps, rng)
     slots = _slots(draft.host_free, draft.ps, rng) if len(draft.host_free) >= draft.ps else None
     victim = Victim(page, host_victims, slots)
-    _evict_write_back(draft, Victim(page, (), slots), "chooser")
-    return victim
+    return victim, _evict_write_back(draft, Victim(page, (), slots), "chooser", kept)
 
 
 def choose_evict(

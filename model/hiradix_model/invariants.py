@@ -17,8 +17,11 @@ from hiradix_model.state import (
     expected_content,
     host_evictable_leaves,
     in_flight,
+    protect_holders,
+    storage_slots,
     transfer_locks,
 )
+from hiradix_model.storage import Prefetch
 
 Predicate = Callable[[State], Iterator[str]]
 INVARIANTS: dict[str, Predicate] = {}
@@ -148,10 +151,13 @@ def device_pool_conservation(state: State) -> Iterator[str]:
 def host_pool_conservation(state: State) -> Iterator[str]:
     arriving = in_flight(state, "d2h")
     owned = [s for p in state.pages.values() for s in p.host or ()]
+    reserved, releasing = storage_slots(state)  # both empty without storage (spec/09)
     yield from _conservation(state.config.host_slots, {
         "free": list(state.host_free),
         "tree": [s for s in owned if s not in arriving],
         "in flight": [s for s in owned if s in arriving],
+        "reserved by a prefetch": reserved,
+        "queued for release": releasing,
     })
 
 
@@ -243,6 +249,168 @@ def clock_monotone(state: State) -> Iterator[str]:
         if not page.insert_tick <= page.last_tick <= state.clock:
             yield (f"{key}: ticks out of order (inserted {page.insert_tick}, last "
                    f"{page.last_tick}, clock {state.clock})")
+
+
+@invariant("INV-HOST-PROTECT-HOLDERS")
+def host_protect_holders(state: State) -> Iterator[str]:
+    for key, page in state.pages.items():
+        holders = protect_holders(state, key)
+        if page.host_protect != holders:
+            yield f"{key}: host_protect is {page.host_protect}, but {holders} holders hold it"
+
+
+# -- The storage tier (spec/05, "Storage tier"; spec/09) ----------------------------------
+# Each predicate checks nothing when the state has no storage.
+
+
+def _prefetches(state: State) -> tuple[Prefetch, ...]:
+    return () if state.storage is None else state.storage.prefetches
+
+
+def _owned_pages(prefetch: Prefetch, ps: int) -> int | None:
+    """How many leading pages a prefetch in its phase must own slots for (None: any)."""
+    if prefetch.phase == "querying":
+        return len(prefetch.pages)
+    if prefetch.phase in ("fetching", "dead"):
+        return prefetch.hit_pages
+    if prefetch.phase == "stopped":
+        return prefetch.landed
+    return 0  # revoked
+
+
+@invariant("INV-PREFETCH-SLOT-OWNERSHIP")
+def prefetch_slot_ownership(state: State) -> Iterator[str]:
+    ps = state.config.page_size
+    elsewhere = Counter(s for p in state.pages.values() for s in p.host or ())
+    elsewhere.update(state.host_free)
+    if state.storage is not None:
+        elsewhere.update(state.storage.release_queue)
+    mine = Counter(s for p in _prefetches(state) for s in p.slots)
+    for prefetch in _prefetches(state):
+        name = f"prefetch {prefetch.id} ({prefetch.request!r})"
+        if len(prefetch.reserved) != ps * len(prefetch.pages):
+            yield f"{name}: reserved {len(prefetch.reserved)} slots for {len(prefetch.pages)} pages"
+        if prefetch.slots != prefetch.reserved[: len(prefetch.slots)] or len(prefetch.slots) % ps:
+            yield f"{name}: owns {prefetch.slots}, not whole pages leading its reservation"
+        owned = len(prefetch.slots) // ps
+        if owned != _owned_pages(prefetch, ps) or not prefetch.landed <= owned:
+            yield f"{name}: owns {owned} pages in phase {prefetch.phase} (landed {prefetch.landed})"
+        for slot in prefetch.slots:
+            if elsewhere[slot] or mine[slot] > 1:
+                yield f"{name}: its slot {slot} is owned elsewhere too"
+
+
+@invariant("INV-RELEASE-ONCE")
+def release_once(state: State) -> Iterator[str]:
+    if state.storage is None:
+        return
+    storage = state.storage
+    for (prefetch_id, slot), n in Counter(storage.release_log).items():
+        if n > 1:
+            yield f"prefetch {prefetch_id} released slot {slot} {n} times"
+        if prefetch_id >= storage.next_id:
+            yield f"slot {slot} released by prefetch {prefetch_id}, which was never issued"
+    for prefetch in storage.prefetches:
+        released = {s for i, s in storage.release_log if i == prefetch.id}
+        if released & set(prefetch.slots):
+            twice = sorted(released & set(prefetch.slots))
+            yield f"prefetch {prefetch.id} still owns slots it released: {twice}"
+        if released | set(prefetch.slots) != set(prefetch.reserved):
+            yield f"prefetch {prefetch.id}: reserved slots neither owned nor released once"
+    for slot, n in Counter(storage.release_queue).items():
+        if n > 1 or slot in state.host_free:
+            yield f"slot {slot} is queued for release {n} times (free: {slot in state.host_free})"
+
+
+@invariant("INV-STORAGE-WRITE-PROTECT")
+def storage_write_protect(state: State) -> Iterator[str]:
+    if state.storage is None:
+        return
+    reserved, releasing = storage_slots(state)
+    unsafe = state.host_free | set(reserved) | set(releasing)
+    for write in state.storage.writes:
+        if not write.pages or not 0 <= write.done <= len(write.pages):
+            yield f"write {write.id}: {write.done} of {len(write.pages)} pages done"
+        for key in write.pages:
+            page = state.pages.get(key)
+            if page is None or page.host is None:
+                yield f"write {write.id}: {key} is being written but has no host copy"
+            elif page.host_protect < 1:
+                yield f"write {write.id}: {key} is being written but not host-protected"
+            elif set(page.host) & unsafe:
+                yield f"write {write.id}: {key}'s host slots are free or owned by storage"
+
+
+@invariant("INV-STORAGE-INTEGRITY")
+def storage_integrity(state: State) -> Iterator[str]:
+    if state.storage is None:
+        return
+    ps = state.config.page_size
+    for backend, store in state.storage.stores.items():
+        for sid, content in store.items():
+            tokens = sid.page.tokens
+            if not tokens or len(tokens) % ps:
+                yield f"{backend}: stored {sid.page} is not a whole page"
+                continue
+            expected = tuple(expected_content(sid.page, o, ps) for o in range(ps))
+            if content != expected:
+                yield f"{backend}: {sid.page} holds {content}, not its KV"
+
+
+@invariant("INV-PREFETCH-CONTIGUOUS")
+def prefetch_contiguous(state: State) -> Iterator[str]:
+    for prefetch in _prefetches(state):
+        name = f"prefetch {prefetch.id}"
+        above = prefetch.anchor
+        if above is not None and (above not in state.pages or state.pages[above].host is None):
+            yield f"{name}: its anchor {above} is not cached with a host copy"
+        if not prefetch.pages:
+            yield f"{name}: has no pages"
+        for page in prefetch.pages:
+            if _parent(state, page) != above:
+                yield f"{name}: {page} does not hang from {above}"
+            above = page
+
+
+@invariant("INV-PREFETCH-INTEGRITY")
+def prefetch_integrity(state: State) -> Iterator[str]:
+    ps = state.config.page_size
+    for prefetch in _prefetches(state):
+        for index, page in enumerate(prefetch.pages[: prefetch.landed]):
+            for offset, slot in enumerate(prefetch.slots[index * ps:(index + 1) * ps]):
+                have = state.host_kv.get(slot)
+                if have != expected_content(page, offset, ps):
+                    yield f"prefetch {prefetch.id}: landed {page} slot {slot} holds {have}"
+
+
+@invariant("INV-PREFETCH-ACCOUNTING")
+def prefetch_accounting(state: State) -> Iterator[str]:
+    if state.storage is None:
+        return
+    storage = state.storage
+    counted = sum(len(p.reserved) for p in storage.prefetches)
+    if storage.occupied_tokens != counted:
+        yield f"occupied_tokens is {storage.occupied_tokens}, ongoing prefetches hold {counted}"
+    for request, n in Counter(p.request for p in storage.prefetches).items():
+        if n > 1:
+            yield f"request {request!r} has {n} ongoing prefetches"
+    ids = [p.id for p in storage.prefetches] + [w.id for w in storage.writes]
+    if len(set(ids)) != len(ids) or any(i >= storage.next_id for i in ids):
+        yield f"prefetch and write ids {ids} are not distinct and below {storage.next_id}"
+
+
+@invariant("INV-STORAGE-DETACHED-IDLE")
+def storage_detached_idle(state: State) -> Iterator[str]:
+    storage = state.storage
+    if storage is None or storage.backend is not None:
+        return
+    busy = {"prefetches": len(storage.prefetches), "writes": len(storage.writes),
+            "revokes queued": len(storage.revoke_queue),
+            "slots queued for release": len(storage.release_queue),
+            "occupied tokens": storage.occupied_tokens}
+    for what, n in busy.items():
+        if n:
+            yield f"detached, but {n} {what} remain"
 
 
 def violations(state: State) -> dict[str, list[str]]:

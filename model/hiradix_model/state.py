@@ -13,6 +13,7 @@ from typing import Literal
 
 from hiradix_model.config import Config
 from hiradix_model.keys import Key, content_at, parent_page
+from hiradix_model.storage import StorageState
 
 Direction = Literal["d2h", "h2d"]
 
@@ -57,6 +58,8 @@ class State:
     clock: int  # the latest logical tick an operation was given
     evictable_tokens: int  # kept incrementally, as engines do; INV-ACCOUNTING audits it
     protected_tokens: int
+    # The storage tier (spec/09); None: no backend was ever attached, the state of 02.
+    storage: StorageState | None = None
 
 
 def initial(config: Config) -> State:
@@ -137,3 +140,46 @@ def transfer_locks(state: State, page: Key) -> int:
 def pending_count(state: State, direction: Direction) -> int:
     """Copies in flight in ``direction``."""
     return sum(t.direction == direction for t in state.pending)
+
+
+def storage_slots(state: State) -> tuple[list[int], list[int]]:
+    """Host slots the storage tier owns: (reserved by prefetches, queued for release)."""
+    if state.storage is None:
+        return [], []
+    reserved = [s for p in state.storage.prefetches for s in p.slots]
+    return reserved, list(state.storage.release_queue)
+
+
+def protect_holders(state: State, page: Key) -> int:
+    """What holds ``page``'s host copy (spec/09, INV-HOST-PROTECT-HOLDERS): pending loads
+    reading it, unreleased storage writes of it, and ongoing prefetches anchored at it."""
+    loads = sum(t.direction == "h2d" and page in t.pages for t in state.pending)
+    if state.storage is None:
+        return loads
+    writes = sum(page in w.pages for w in state.storage.writes)
+    anchors = sum(p.anchor == page for p in state.storage.prefetches)
+    return loads + writes + anchors
+
+
+def subtree(state: State, page: Key) -> Iterator[Key]:
+    """``page`` and every cached page below it."""
+    depth = len(page.tokens)
+    for key in state.pages:
+        if key.namespace == page.namespace and key.tokens[:depth] == page.tokens:
+            yield key
+
+
+def protected_below(state: State, page: Key) -> bool:
+    """Whether a page of ``page``'s subtree is host-protected."""
+    return any(state.pages[k].host_protect for k in subtree(state, page))
+
+
+def only_kept_leaves(state: State) -> bool:
+    """Every device-evictable leaf has a protected page below it: a write_back eviction
+    that found no host room had to keep them all (spec/09, S-R5). True when DL is empty."""
+    return all(protected_below(state, k) for k in device_evictable_leaves(state))
+
+
+def has_prefetch(state: State, request: str) -> bool:
+    """Whether ``request`` has an ongoing prefetch (spec/09)."""
+    return state.storage is not None and state.storage.prefetch_of(request) is not None

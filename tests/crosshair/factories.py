@@ -16,7 +16,17 @@ from crosshair import SymbolicFactory, deep_realize, register_patch, register_ty
 from crosshair.condition_parser import NoEnforce
 from crosshair.tracers import NoTracing, ResumedTracing
 
-from hiradix_model import Config, Key, State, choosers, initial, invariants
+from hiradix_model import (
+    PREFETCH_POLICIES,
+    Config,
+    Key,
+    State,
+    StorageSettings,
+    choosers,
+    initial,
+    invariants,
+    storage_choosers,
+)
 from hiradix_model import ops as checked_ops
 from hiradix_model.config import STRATEGIES, WRITE_POLICIES
 
@@ -92,6 +102,13 @@ def make_state(factory: SymbolicFactory) -> State:
         load_back_threshold=_choice(factory, (0, 2), "_threshold"),
     )
     state = initial(config)
+    storage = _choice(factory, (False, True), "_storage")
+    if storage:
+        settings = StorageSettings(
+            prefetch_threshold=_choice(factory, (0, 2), "_prefetch_threshold"),
+            prefetch_policy=_choice(factory, PREFETCH_POLICIES, "_prefetch_policy"),
+            timeout_base=2, timeout_per_ki_token=1024, timeout_max=4, prefetch_token_limit=64)
+        state, _ = ops.attach_storage(state, "memory", settings=settings)
     requests = factory(int, "_requests")
     for index in range(MAX_REQUESTS):
         if index >= requests:
@@ -104,9 +121,34 @@ def make_state(factory: SymbolicFactory) -> State:
             state, _ = ops.writing_check(state, pending)
         if _choice(factory, (False, True), f"_evict{index}"):
             state, _ = ops.evict(state, 2, choosers.choose_evict(state, 2, random.Random(0)))
+    if storage:
+        state = _storage_activity(factory, state, len(ALPHABET) + MAX_REQUESTS)
     # The solver picked this state (one per path); handing it over concrete keeps the
     # operation's own arguments symbolic without symbolic keys inside dicts.
     return deep_realize(state)
+
+
+def _storage_activity(factory: SymbolicFactory, state: State, now: int) -> State:
+    """Storage writes run and drain, then one prefetch ("p") taken some way through its
+    life (spec/09): reserved, queried, fetched."""
+    if _choice(factory, (False, True), "_writes"):
+        while (left := storage_choosers.running_write(state)) is not None:
+            state, _ = ops.io_storage_write(state, left)
+        state, _ = ops.drain_storage_queues(state)
+    if not _choice(factory, (False, True), "_prefetch"):
+        return state
+    key = make_key(factory)
+    victims, slots = storage_choosers.choose_prefetch(state, key, None, random.Random(0))
+    state, reserved = ops.prefetch_from_storage(state, "p", key, None, now,
+                                                host_victims=victims, host_slots=slots)
+    if not reserved or not _choice(factory, (False, True), "_query"):
+        return state
+    hits = storage_choosers.hits_available(state, "p")
+    state, revoked = ops.io_prefetch_query(state, "p", hits)
+    if revoked or not _choice(factory, (False, True), "_fetch"):
+        return state
+    remaining, _ = storage_choosers.pages_to_fetch(state, "p")
+    return ops.io_prefetch_fetch(state, "p", remaining)[0]
 
 
 def _traced(build):  # type: ignore[no-untyped-def]

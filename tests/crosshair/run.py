@@ -20,6 +20,10 @@ MODULES = [
     "hiradix_model.ops.backup",
     "hiradix_model.ops.evict",
     "hiradix_model.ops.load",
+    # The storage tier (spec/09): the operations with a plan, a report and a release.
+    "hiradix_model.ops.storage.prefetch",
+    "hiradix_model.ops.storage.io",
+    "hiradix_model.ops.storage.progress",
 ]
 
 

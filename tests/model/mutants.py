@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from hiradix_model import Key, Page, State
 
-from scenario import BACKING_UP, HOST_ONLY, LOADED
+from scenario import BACKING_UP, HOST_ONLY, LOADED, build_storage
 
 PARENT = Key((1, 2))
 
@@ -105,6 +105,86 @@ def tick_from_future(s: State) -> State:
     return _page(s, HOST_ONLY, last_tick=s.clock + 1)
 
 
+def protected_for_nobody(s: State) -> State:
+    # A protection no load, storage write or prefetch holds: the page could never be
+    # host-evicted again (a forgotten release_host).
+    return _page(s, HOST_ONLY, host_protect=1)
+
+
+# -- Storage tier: each starts from build_storage(s) (scenario.py) --------------------------
+
+
+def _storage(s: State, **changes: object) -> State:
+    state = build_storage(s)
+    assert state.storage is not None
+    return replace(state, storage=replace(state.storage, **changes))  # type: ignore[arg-type]
+
+
+def _prefetch(s: State, index: int, **changes: object) -> State:
+    state = build_storage(s)
+    assert state.storage is not None
+    prefetches = list(state.storage.prefetches)
+    prefetches[index] = replace(prefetches[index], **changes)  # type: ignore[arg-type]
+    return replace(state, storage=replace(state.storage, prefetches=tuple(prefetches)))
+
+
+def prefetch_owns_half_a_page(s: State) -> State:
+    # The landed prefetch gives one slot of its page back to the free list: the pool
+    # still balances, but the prefetch no longer owns whole pages.
+    state = _prefetch(s, 0, slots=(8,))
+    return replace(state, host_free=state.host_free | {9})
+
+
+def released_twice(s: State) -> State:
+    # The revoked prefetch's slot 10 is released a second time (a drained queue entry
+    # and a force-release both freeing it, as SGLang's detach does).
+    state = build_storage(s)
+    assert state.storage is not None
+    log = (*state.storage.release_log, (2, 10))
+    return replace(state, storage=replace(state.storage, release_log=log))
+
+
+def write_unprotected(s: State) -> State:
+    # BACKING_UP's storage write is unreleased but its protection was dropped.
+    state = build_storage(s)
+    return _page(state, BACKING_UP, host_protect=state.pages[BACKING_UP].host_protect - 2)
+
+
+def stored_wrong_bytes(s: State) -> State:
+    state = build_storage(s)
+    assert state.storage is not None
+    store = dict(state.storage.stored)
+    sid = state.storage.sid(BACKING_UP)
+    store[sid] = (Key((5,)), Key((5, 7)))
+    stores = {**state.storage.stores, "memory": store}
+    return replace(state, storage=replace(state.storage, stores=stores))
+
+
+def prefetch_off_its_anchor(s: State) -> State:
+    # The revoked prefetch's page (5, 6, 9, 9) is said to hang from HOST_ONLY.
+    state = _prefetch(s, 1, anchor=HOST_ONLY)
+    state = _page(state, BACKING_UP, host_protect=1)
+    return _page(state, HOST_ONLY, host_protect=1)
+
+
+def landed_corrupt(s: State) -> State:
+    # A corrupt page counted as landed: its slot holds garbage.
+    state = build_storage(s)
+    kv = dict(state.host_kv)
+    kv.pop(8)
+    return replace(state, host_kv=kv)
+
+
+def occupancy_drift(s: State) -> State:
+    state = build_storage(s)
+    assert state.storage is not None
+    return _storage(s, occupied_tokens=state.storage.occupied_tokens + 2)
+
+
+def detached_with_prefetches(s: State) -> State:
+    return _storage(s, backend=None)
+
+
 MUTANTS: dict[str, Callable[[State], State]] = {
     "INV-TREE-WELL-FORMED": orphan_page,
     "INV-RESIDENT": nowhere,
@@ -123,4 +203,13 @@ MUTANTS: dict[str, Callable[[State], State]] = {
     "INV-KV-INTEGRITY": wrong_bytes,
     "INV-NAMESPACE-ISOLATION": foreign_namespace,
     "INV-CLOCK-MONOTONE": tick_from_future,
+    "INV-HOST-PROTECT-HOLDERS": protected_for_nobody,
+    "INV-PREFETCH-SLOT-OWNERSHIP": prefetch_owns_half_a_page,
+    "INV-RELEASE-ONCE": released_twice,
+    "INV-STORAGE-WRITE-PROTECT": write_unprotected,
+    "INV-STORAGE-INTEGRITY": stored_wrong_bytes,
+    "INV-PREFETCH-CONTIGUOUS": prefetch_off_its_anchor,
+    "INV-PREFETCH-INTEGRITY": landed_corrupt,
+    "INV-PREFETCH-ACCOUNTING": occupancy_drift,
+    "INV-STORAGE-DETACHED-IDLE": detached_with_prefetches,
 }

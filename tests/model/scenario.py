@@ -7,7 +7,7 @@ The invariant tests corrupt copies of it one field at a time.
 
 from __future__ import annotations
 
-from hiradix_model import Backup, Config, Key, State, initial, ops
+from hiradix_model import Backup, Config, Key, State, StorageSettings, initial, ops
 
 CONFIG = Config(page_size=2, device_slots=12, host_slots=12, write_policy="write_through",
                 eviction="lru", load_back_threshold=0)
@@ -32,4 +32,35 @@ def build() -> State:
     s, _ = ops.load_back(s, LOADED, None, device_slots=(8, 9, 10, 11))
     s, _ = ops.inc_lock_ref(s, BACKING_UP)  # a caller's lock
     s, _ = ops.alloc(s, Key((9, 9)), 0, tuple(sorted(s.device_free)[:2]))  # held slots
+    return s
+
+
+# -- With a storage tier (spec/09) ----------------------------------------------------------
+
+STORAGE = StorageSettings(prefetch_threshold=2, prefetch_policy="best_effort",
+                          timeout_base=4, timeout_per_ki_token=1024, timeout_max=10,
+                          prefetch_token_limit=64)
+IDENTITY = ("model-a", "bf16", "layer_first")
+
+
+def build_storage(base: State | None = None) -> State:
+    """``build()`` (or ``base``, a state built by it) with a backend attached and one of
+    each storage holder.
+
+    BACKING_UP's backup landed, so its storage write ran and sits acknowledged in the
+    ack queue (the page stays protected); prefetch "landed" fetched BACKING_UP from
+    storage and waits for check_prefetch_progress; prefetch "revoked" (anchored at
+    BACKING_UP) found no hit, so its slots wait in the release queue.
+    """
+    start = build() if base is None else base
+    s, _ = ops.attach_storage(start, "memory", identity=IDENTITY, settings=STORAGE)
+    s, _ = ops.writing_check(s, 1)  # issues the storage write of BACKING_UP
+    s, _ = ops.io_storage_write(s, 1)
+    s, _ = ops.prefetch_from_storage(s, "landed", BACKING_UP, None, s.clock,
+                                     host_slots=(8, 9))
+    s, _ = ops.io_prefetch_query(s, "landed", 1)
+    s, _ = ops.io_prefetch_fetch(s, "landed", 1)
+    s, _ = ops.prefetch_from_storage(s, "revoked", Key((5, 6, 9, 9)), BACKING_UP, s.clock,
+                                     host_slots=(10, 11))
+    s, _ = ops.io_prefetch_query(s, "revoked", 0)
     return s

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hiradix_model.ops._draft import Draft, add_lock, require
+from hiradix_model.ops.storage._common import is_attached, issue_write
 from hiradix_model.state import Direction, State
 
 
@@ -31,4 +32,7 @@ def acknowledge(state: State, direction: Direction, count: int) -> tuple[State, 
                 draft.set_page(page, replace(record, host_protect=record.host_protect - 1))
         add_lock(draft, transfer.lock, -1)
         draft.pending.remove(transfer)
+        if direction == "d2h" and is_attached(draft):
+            # The host copy has landed: back it up to storage (spec/09, S-R1).
+            issue_write(draft, transfer.pages)
     return draft.freeze(), count

@@ -29,6 +29,8 @@ class Draft:
         self.clock = state.clock
         self.evictable_tokens = state.evictable_tokens
         self.protected_tokens = state.protected_tokens
+        # Frozen: storage edits replace it whole (ops/storage/_common.py).
+        self.storage = state.storage
 
     def freeze(self) -> State:
         """The finished state. The draft must not be edited afterwards."""
@@ -51,6 +53,7 @@ class Draft:
             clock=self.clock,
             evictable_tokens=self.evictable_tokens,
             protected_tokens=self.protected_tokens,
+            storage=self.storage,
         )
 
     def _count(self, page: Page | None, sign: int) -> None:

@@ -8,11 +8,14 @@ pool conservation instead of an unaccounted difference.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, content_at
 from hiradix_model.ops._draft import Draft, require, require_key, require_slots, take
 from hiradix_model.state import State, initial
+from hiradix_model.storage import StorageState
 
 
 def alloc(state: State, key: Key, start: int, slots: tuple[int, ...]) -> tuple[State, None]:
@@ -61,6 +64,16 @@ def free(state: State, slots: tuple[int, ...]) -> tuple[State, None]:
 def reset(state: State) -> tuple[State, None]:
     """Drop everything: the empty cache of the same configuration.
 
-    post: __return__[0] == initial(state.config)
+    An attached backend stays attached, with its settings and its contents; whatever was
+    in flight to or from it is forgotten (spec/09, 9.4, "Changes to operations of 03").
+
+    post: __return__[0] == initial(state.config) or state.storage is not None
+    post: __return__[0].pages == {} and __return__[0].pending == ()
     """
-    return initial(state.config), None
+    fresh = initial(state.config)
+    if state.storage is None:
+        return fresh, None
+    old = state.storage
+    kept = StorageState(backend=old.backend, identity=old.identity, settings=old.settings,
+                        stores=old.stores, next_id=old.next_id)
+    return replace(fresh, storage=kept), None
