@@ -1,0 +1,51 @@
+"""The storage tier below the host tier (spec/09): page hashes, backends, background I/O.
+
+- ``hashing``: the chained page hash that names a page in storage;
+- ``backend``: the batch interface (``exists``/``get``/``set``), integrity checks, metrics;
+- ``memory``, ``file``: the two backends; ``controlled``: a fault-injecting wrapper;
+- ``io``: the prefetch and backup threads (or their synchronous stand-in);
+- ``config``: the configuration, from JSON, TOML or YAML.
+"""
+
+from hiradix.storage.backend import PageRead, StorageBackend, StorageMetrics, checksum
+from hiradix.storage.config import (
+    StorageConfig,
+    config_from_mapping,
+    make_backend,
+    page_identity,
+    parse_storage_config,
+    prefetch_timeout,
+)
+from hiradix.storage.controlled import ControlledBackend, Fault, FaultKind
+from hiradix.storage.errors import StorageArgumentError, StorageConfigError, StorageError
+from hiradix.storage.file import FileBackend
+from hiradix.storage.hashing import PageIdentity, check_hashes, page_hashes
+from hiradix.storage.io import BackupResult, PrefetchResult, StorageIO
+from hiradix.storage.memory import MemoryBackend
+
+__all__ = [
+    "BackupResult",
+    "ControlledBackend",
+    "Fault",
+    "FaultKind",
+    "FileBackend",
+    "MemoryBackend",
+    "PageIdentity",
+    "PageRead",
+    "PrefetchResult",
+    "StorageArgumentError",
+    "StorageBackend",
+    "StorageConfig",
+    "StorageConfigError",
+    "StorageError",
+    "StorageIO",
+    "StorageMetrics",
+    "check_hashes",
+    "checksum",
+    "config_from_mapping",
+    "make_backend",
+    "page_hashes",
+    "page_identity",
+    "parse_storage_config",
+    "prefetch_timeout",
+]
