@@ -119,3 +119,9 @@ def test_inference_backtracks_when_a_kept_leaf_would_outrank_the_next_victim() -
     chosen = infer.device_victims(before, before, after, 3)
     assert chosen == (Victim(w), Victim(z), Victim(y))
     ops.evict(before, 3, chosen)  # the model accepts it
+
+
+def test_the_check_summary_covers_every_invariant() -> None:
+    from hiradix.conformance.machine import EXERCISED
+    from hiradix_model import INVARIANTS
+    assert set(EXERCISED) == set(INVARIANTS)

@@ -37,7 +37,7 @@ from hiradix_model.keys import parent_page
 from hiradix_model.state import device_evictable_leaves, host_evictable_leaves, transfer_locks
 from hiradix_model.strategies import eviction_key
 
-from stats import RUNS
+from stats import RUNS, Stepping
 
 keys = st.builds(
     Key,
@@ -47,7 +47,8 @@ keys = st.builds(
 seeds = st.integers(0, 2**16)
 
 
-class ModelMachine(RuleBasedStateMachine):
+class ModelMachine(Stepping, RuleBasedStateMachine):
+    tally = RUNS
     state: State
 
     def __init__(self) -> None:
@@ -75,22 +76,6 @@ class ModelMachine(RuleBasedStateMachine):
         ))
 
     # -- helpers ---------------------------------------------------------------------
-
-    def apply(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
-              **kwargs: object) -> object:
-        self.state, observation = op(self.state, *args, **kwargs)
-        RUNS["steps"] += 1
-        RUNS[name] += 1
-        return observation
-
-    def rejects(self, error: type[Exception], op: Callable[..., object], *args: object,
-                **kwargs: object) -> None:
-        """The op must raise ``error`` and leave its input state exactly as it was."""
-        before = copy.deepcopy(self.state)
-        with pytest.raises(error):
-            op(self.state, *args, **kwargs)
-        assert self.state == before
-        RUNS["rejected"] += 1
 
     def tick(self, dt: int) -> int:
         self.now += dt

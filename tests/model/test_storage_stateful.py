@@ -11,12 +11,9 @@ untouched. ``STORAGE_RUNS`` tallies rules and faults; conftest prints it.
 
 from __future__ import annotations
 
-import copy
 import random
-from collections.abc import Callable
 from dataclasses import replace
 
-import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -43,7 +40,7 @@ from hiradix_model.ops.storage.io import FETCH_FAULTS
 from hiradix_model.ops.storage.prefetch import pages_below, worth_prefetching
 from hiradix_model.storage import Prefetch, stored_run
 
-from stats import STORAGE_RUNS
+from stats import STORAGE_RUNS, Stepping
 
 keys = st.builds(
     Key,
@@ -55,7 +52,8 @@ BACKENDS = ("memory", "file")
 IDENTITIES = (("model-a", "bf16", "layer_first"), ("model-b", "bf16", "layer_first"))
 
 
-class StorageMachine(RuleBasedStateMachine):
+class StorageMachine(Stepping, RuleBasedStateMachine):
+    tally = STORAGE_RUNS
     state: State
 
     def __init__(self) -> None:
@@ -96,21 +94,6 @@ class StorageMachine(RuleBasedStateMachine):
                    settings=self.settings)
 
     # -- helpers ---------------------------------------------------------------------
-
-    def apply(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
-              **kwargs: object) -> object:
-        self.state, observation = op(self.state, *args, **kwargs)
-        STORAGE_RUNS["steps"] += 1
-        STORAGE_RUNS[name] += 1
-        return observation
-
-    def rejects(self, error: type[Exception], op: Callable[..., object], *args: object,
-                **kwargs: object) -> None:
-        before = copy.deepcopy(self.state)
-        with pytest.raises(error):
-            op(self.state, *args, **kwargs)
-        assert self.state == before
-        STORAGE_RUNS["rejected"] += 1
 
     def fault(self, kind: str) -> None:
         STORAGE_RUNS[f"fault {kind}"] += 1

@@ -21,8 +21,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hiradix.conformance import infer
 from hiradix.conformance.adapters.base import EngineAdapter
 from hiradix.conformance.infer import left_device, left_host
-from hiradix.conformance.machine import EXERCISED, Tally, describe_difference
-from hiradix_model import Key, ModelError, State, initial, ops, trace, violations
+from hiradix.conformance.machine import EXERCISED, describe_difference
+from hiradix.conformance.recording import Recording
+from hiradix.conformance.tally import Tally
+from hiradix_model import Key, State, initial, ops, trace, violations
 from hiradix_model.keys import content_at, page_keys, sort_key
 from hiradix_model.ops._draft import Draft
 from hiradix_model.ops.backup import backup_run
@@ -67,7 +69,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
     """A state machine class driving the engines ``factory`` builds, one per example."""
     counts = tally if tally is not None else Tally()
 
-    class Differential(RuleBasedStateMachine):
+    class Differential(Recording, RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.engine = factory()
@@ -81,6 +83,8 @@ def make_differential(factory: Callable[[], EngineAdapter],
             counts.examples += 1
             counts.last_trace = self.trace
             counts.last_config = self.engine.config
+            self.counts = counts
+            self.engine_label = self.engine.name
 
         def teardown(self) -> None:
             self.engine.close()
@@ -89,25 +93,6 @@ def make_differential(factory: Callable[[], EngineAdapter],
 
         def has(self, operation: str) -> bool:
             return operation in self.engine.operations
-
-        def step(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
-                 **kwargs: object) -> object:
-            arguments = trace.encode_call(op, *args, **kwargs)
-            try:
-                self.model, observation = op(self.model, *args, **kwargs)
-            except ModelError:
-                self.trace.append(trace.Step(name, arguments))
-                raise
-            self.trace.append(trace.Step(name, arguments, trace.encode_observation(observation)))
-            counts.ops[name] += 1
-            counts.steps += 1
-            return observation
-
-        def agree(self, engine: object, model: object) -> None:
-            last = self.trace[-1]
-            self.trace[-1] = trace.Step(last.op, last.args, trace.encode_observation(engine))
-            assert last.op != "adopt", "an observation follows its operation directly"
-            assert engine == model, f"{last.op}: {self.engine.name} {engine!r}, model {model!r}"
 
         def observe(self, adopt: bool = True) -> State:
             """The engine's state. Between operations (``adopt``) the model first takes

@@ -11,9 +11,8 @@ cached slot holds the KV bytes of its own prefix (INV-KV-INTEGRITY via the abstr
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import torch
 from hypothesis import strategies as st
@@ -23,7 +22,9 @@ from hiradix.cache import HiRadixCache, MatchResult
 from hiradix.clock import ManualClock
 from hiradix.conformance.abstraction import abstract, page_keys
 from hiradix.conformance.kv import patterns
+from hiradix.conformance.recording import Recording
 from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.tally import Tally
 from hiradix.decisions import DeviceVictim, PageRef, Recorder
 from hiradix.errors import ForeignNode, InvalidArgument, NotLocked
 from hiradix.keys import RadixKey
@@ -33,7 +34,6 @@ from hiradix_model import (
     Backup,
     Config,
     Key,
-    ModelError,
     State,
     Victim,
     check,
@@ -43,20 +43,6 @@ from hiradix_model import (
     violations,
 )
 from hiradix_model.keys import content_at
-
-
-@dataclass
-class Tally:
-    """What a campaign did: for the summary of ``hiradix check``."""
-
-    examples: int = 0
-    steps: int = 0  # operations issued to both the implementation and the model
-    checks: int = 0  # rule executions, each followed by the full comparison
-    ops: Counter[str] = field(default_factory=Counter)
-    exercised: Counter[str] = field(default_factory=Counter)  # steps where an ID had work
-    last_trace: list[trace.Step] = field(default_factory=list)  # the latest example's steps
-    last_config: Config | None = None  # the latest example's model configuration
-
 
 # For the summary: a step exercises an invariant when the state gives it something to
 # check (a lock for the lock invariants, a copy in flight for INV-TRANSFER-PINNED, ...).
@@ -79,6 +65,12 @@ EXERCISED: dict[str, Callable[[State], bool]] = {
     "INV-KV-INTEGRITY": lambda s: bool(s.pages),
     "INV-NAMESPACE-ISOLATION": lambda s: len({k.namespace for k in s.pages}) > 1,
     "INV-CLOCK-MONOTONE": lambda s: bool(s.pages),
+    "INV-HOST-PROTECT-HOLDERS": lambda s: any(p.host_protect for p in s.pages.values()),
+    # The storage tier's: something to check only once a backend is attached.
+    **{spec_id: (lambda s: s.storage is not None) for spec_id in (
+        "INV-PREFETCH-SLOT-OWNERSHIP", "INV-RELEASE-ONCE", "INV-STORAGE-WRITE-PROTECT",
+        "INV-STORAGE-INTEGRITY", "INV-PREFETCH-CONTIGUOUS", "INV-PREFETCH-INTEGRITY",
+        "INV-PREFETCH-ACCOUNTING", "INV-STORAGE-DETACHED-IDLE")},
 }
 
 
@@ -114,7 +106,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
     """A state machine class for one configuration (page size, policies, layouts)."""
     counts = tally if tally is not None else Tally()
 
-    class Conformance(RuleBasedStateMachine):
+    class Conformance(Recording, RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.recorder = Recorder()
@@ -128,29 +120,10 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             counts.examples += 1
             counts.last_trace = self.trace  # after shrinking, the failing example's
             counts.last_config = scenario.model_config()
+            self.counts = counts
+            self.engine_label = "implementation"
 
         # -- plumbing -----------------------------------------------------------------
-
-        def step(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
-                 **kwargs: object) -> object:
-            arguments = trace.encode_call(op, *args, **kwargs)
-            try:
-                self.model, observation = op(self.model, *args, **kwargs)
-            except ModelError:
-                self.trace.append(trace.Step(name, arguments))  # the step the model rejects
-                raise
-            self.trace.append(trace.Step(name, arguments, trace.encode_observation(observation)))
-            counts.ops[name] += 1
-            counts.steps += 1
-            return observation
-
-        def agree(self, engine: object, model: object) -> None:
-            """The implementation observed ``engine`` where the model observed ``model``:
-            the trace keeps the implementation's, so that a replay shows the disagreement."""
-            self.trace[-1] = trace.Step(self.trace[-1].op, self.trace[-1].args,
-                                        trace.encode_observation(engine))
-            assert engine == model, f"{self.trace[-1].op}: implementation {engine!r}, " \
-                                    f"model {model!r}"
 
         def page_of(self, node: TreeNode) -> Key | None:
             if node is self.cache.root:
