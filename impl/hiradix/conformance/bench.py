@@ -162,7 +162,8 @@ class Sglang:
         if self.hier and got.host_hit_length >= c.load_back_threshold:
             load = m.InitLoadBackParams(best_match_node=got.best_match_node,
                                         host_hit_length=got.host_hit_length)
-            t.timed("load_back", lambda: c.init_load_back(load))
+            t.timed("load_back", lambda: (c.init_load_back(load),
+                                          c.ready_to_load_host_cache()))
             got = c.match_prefix(params)
         node = got.last_device_node
         c.inc_lock_ref(node)

@@ -188,6 +188,8 @@ class SglangAdapter:
             "host_protect": "DEV-5: a load's sources count as protected until acknowledged",
             "evict_for_whole_load": "DEV-8: load_back evicts len(host_indices) with the "
                                     "anchor locked; the model takes those steps explicitly",
+            "start loads": "init_load_back is followed by ready_to_load_host_cache(), which "
+                           "starts the queued copy, as the scheduler does before a batch",
             "evict_host_for_whole_node": "DEV-8: write_backup evicts len(node.value) on host; "
                                          "the model takes it as an evict_host step",
             "last_host_page": "RadixCache has no host tier: its last_host_node is not a host "
@@ -352,6 +354,9 @@ class SglangAdapter:
         loaded, last = self.cache.init_load_back(m.InitLoadBackParams(
             best_match_node=node, host_hit_length=host_hit, mem_quota=quota))
         if len(loaded):
+            # SGLang queues a load and starts it when the scheduler says the batch is
+            # ready; the spec's load_back issues the copy: both halves, as a scheduler does.
+            self.cache.ready_to_load_host_cache()
             self.issued += 1
             self.loads[node.id] = (self.issued,
                                    tuple(k for n in chain for k in self._page_keys(n)))
