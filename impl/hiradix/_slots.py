@@ -176,6 +176,16 @@ class PageAllocator:
         self._allocated[pages] = False
         self._free_pages.extend(reversed(pages.tolist()))
 
+    def release(self, slots: torch.Tensor) -> None:
+        """Return whole pages that their owner (the cache's tree) knows are its own: no
+        argument checks, the cost of ``free`` on the eviction path. A page released
+        twice still trips the assertion, and INV-DEVICE-/HOST-POOL-CONSERVATION audits
+        the rest."""
+        pages = slots[:: self._page_size] // self._page_size
+        assert bool(self._allocated[pages].all()), "released a page that is not allocated"
+        self._allocated[pages] = False
+        self._free_pages.extend(reversed(pages.tolist()))
+
     def allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """A bool per slot of ``slots`` (in range, int64): whether its page is allocated."""
         return self._allocated[slots // self._page_size]
@@ -222,6 +232,10 @@ class SlotPool:
     def free(self, slots: torch.Tensor) -> None:
         """Free whole pages given as their slots (see ``PageAllocator.free``)."""
         self.allocator.free(slots)
+
+    def release(self, slots: torch.Tensor) -> None:
+        """The cache returning pages it owns (see ``PageAllocator.release``)."""
+        self.allocator.release(slots)
 
     def free_slots(self) -> frozenset[int]:
         """Every free slot id (for invariant checks)."""

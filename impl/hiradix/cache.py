@@ -481,7 +481,7 @@ class HiRadixCache:
     def _drop_device_copy(self, node: TreeNode) -> int:
         assert node.device is not None and node.lock_ref == 0
         freed = len(node.tokens)
-        self.device_pool.free(node.device)
+        self.device_pool.release(node.device)
         if node.host is not None:
             self._set_device(node, None)
             self._refresh_around(node)
@@ -513,7 +513,7 @@ class HiRadixCache:
         # so it copies directly rather than through the asynchronous engine.
         self.host_pool.copy_from_device(self.device_pool, node.device, host)
         node.host = host
-        self.device_pool.free(node.device)
+        self.device_pool.release(node.device)
         self._set_device(node, None)
         self._refresh_around(node)
         return DeviceVictim(page, tuple(host_victims), tuple(host.tolist()))
@@ -527,10 +527,10 @@ class HiRadixCache:
         assert not any(n.host_ref for n in doomed), "dropping a protected host copy"
         for n in doomed:
             if n.host is not None:
-                self.host_pool.free(n.host)
+                self.host_pool.release(n.host)
                 n.host = None
             if n.device is not None:
-                self.device_pool.free(n.device)
+                self.device_pool.release(n.device)
                 self._set_device(n, None)
             self.device_leaves.discard(n)
             self.host_leaves.discard(n)
@@ -561,7 +561,7 @@ class HiRadixCache:
             assert parent is not None and node.host is not None
             if self.recorder is not None:
                 victims.extend(self._page_refs(node))
-            self.host_pool.free(node.host)
+            self.host_pool.release(node.host)
             evicted += len(node.tokens)
             node.host = None
             self._detach(node)
