@@ -192,8 +192,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     bench = sub.add_parser("bench", help="ours against SGLang 0.5.20 on serving workloads")
     bench.add_argument("--page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                        default=[1, 16])
-    bench.add_argument("--scale", type=float, default=1.0,
-                       help="requests per workload, relative to the default (about a minute)")
+    bench.add_argument("--scale", type=float, default=4.0,
+                       help="workload size; 4 (the default) is 5,200 requests per page "
+                            "size, about a minute here")
     bench.add_argument("--seed", type=int, default=0)
     check.add_argument("--record", default=None,
                        help="after a clean run, write the last example as a JSONL trace here")
