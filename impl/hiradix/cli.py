@@ -194,7 +194,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                        default=[1, 16])
     bench.add_argument("--scale", type=float, default=4.0,
                        help="workload size; 4 (the default) is 5,200 requests per page "
-                            "size, about a minute here")
+                            "size, about half a minute here")
     bench.add_argument("--seed", type=int, default=0)
     check.add_argument("--record", default=None,
                        help="after a clean run, write the last example as a JSONL trace here")
