@@ -1,0 +1,413 @@
+"""The conformance state machine of the storage tier (spec/09): impl and model in step.
+
+It extends the two-tier machine (``machine.make_machine``) with a ``StorageTier`` over a
+``ControlledBackend`` (a memory backend with injected faults) and a synchronous
+``StorageIO``, so the test decides when I/O happens. Every storage rule issues the
+operation to the tier, turns the tier's choices (reserved slots, host victims, hit
+counts, pages landed or written, faults) into the model's choice arguments, and applies
+the model step. After every step the abstraction of cache and tier (``abstraction`` and
+``storage_abstraction``) must equal the model state, and ``violations`` must be empty on
+the model, ``check_invariants`` and ``StorageTier.check`` on the implementation.
+
+Write policy: the write-through policies only (the impl tier does not hook the atomic
+host copy of a ``write_back`` eviction, S-R1's second case). ``reset`` is not run with
+storage (the tier does not implement 9.4's reset).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hiradix.checker import failures
+from hiradix.conformance.abstraction import abstract
+from hiradix.conformance.machine import describe_difference, make_machine, to_key
+from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.storage_abstraction import abstract_storage, settings_of
+from hiradix.conformance.tally import Tally
+from hiradix.keys import RadixKey
+from hiradix.storage import ControlledBackend, Fault, MemoryBackend, StorageArgumentError
+from hiradix.storage.hashing import page_hashes
+from hiradix.storage.tier import StorageTier, TierSettings
+from hiradix.transfer import ControlledCopyEngine
+from hiradix_model import Key, State, ops, violations
+
+REQUESTS = ("r0", "r1", "r2")
+FAULTS: dict[str, tuple[str, ...]] = {
+    "exists": ("raise", "short"),
+    # Not "corrupt": the backend discards a page that fails verification (backend.py),
+    # while the model keeps it stored (9.5 has no step that forgets a stored page), so
+    # the states part at once. tests/impl/test_storage_tier.py covers corrupt fetches.
+    "get": ("raise", "short", "die"),
+    "set": ("raise", "short", "die"),
+}
+settings_strategy = st.builds(
+    TierSettings,
+    prefetch_threshold=st.sampled_from([0, 2, 4]),
+    prefetch_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
+    timeout_base=st.integers(0, 4),
+    timeout_per_ki_token=st.sampled_from([0, 512, 4096]),
+    timeout_max=st.integers(0, 8),
+    prefetch_token_limit=st.sampled_from([None, 4, 100]),
+)
+
+
+def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
+                         faults: Counter[str] | None = None) -> type[RuleBasedStateMachine]:
+    """The storage conformance machine for one configuration. ``faults`` tallies the
+    faults injected (and taken by a batch call) by kind."""
+    assert scenario.write_policy != "write_back", "S-R1 on write_back eviction is not hooked"
+    Base = make_machine(scenario, tally)
+    injected = faults if faults is not None else Counter()
+
+    class StorageConformance(Base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.tier = StorageTier(self.cache)
+            self.backend = ControlledBackend(MemoryBackend(), name="mem")
+            self.identity: tuple[str, ...] = ()
+            self.settings: TierSettings | None = None
+            self.names: dict[str, Key] = {}
+            self.attach(TierSettings(prefetch_threshold=0, prefetch_token_limit=100))
+
+        def teardown(self) -> None:
+            for operation in FAULTS:  # injected but never taken by a batch call
+                injected[f"{operation}:untaken"] += self.backend.queued_faults(
+                    operation)  # type: ignore[arg-type]
+            injected["tokens inserted from storage"] += \
+                self.tier.metrics.prefetch_tokens_inserted
+            injected["pages written to storage"] += self.backend.metrics.pages_backed_up
+            super().teardown()
+
+        # -- plumbing -----------------------------------------------------------------
+
+        def sstep(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
+                  **kwargs: object) -> object:
+            """A model step without the trace encoding (the storage ops' arguments)."""
+            state: State = self.model  # type: ignore[has-type]
+            state, observation = op(state, *args, **kwargs)
+            self.model = state
+            self.counts.ops[name] += 1
+            self.counts.steps += 1
+            return observation
+
+        def learn(self, rkey: RadixKey) -> None:
+            """Remember the page of every hash of ``rkey`` (the abstraction's map)."""
+            identity = self.tier.identity
+            if identity is None:
+                return
+            size = self.cache.page_size
+            aligned = rkey.aligned_length(size)
+            hashes = page_hashes(list(rkey.tokens[:aligned]), size, identity, rkey.namespace)
+            for index, page_hash in enumerate(hashes):
+                self.names[page_hash] = Key(rkey.tokens[:(index + 1) * size], rkey.namespace)
+
+        def learn_tree(self) -> None:
+            for node in self.cache.nodes():
+                if not node.children:
+                    self.learn(RadixKey(node.prefix(), node.namespace))
+
+        def pick(self, index: int) -> RadixKey | None:
+            if not self.seen:
+                return None
+            tokens, namespace = self.seen[index % len(self.seen)]
+            return RadixKey(tokens, namespace)
+
+        def io_pending(self) -> bool:
+            return any(p.io_running for p in self.tier.state.prefetches.values()) or any(
+                w.phase == "running" for w in self.tier.state.writes.values())
+
+        # -- overridden two-tier rules: S-R1 runs on every acknowledged host copy ------
+
+        @precondition(lambda self: bool(self.cache.pending["d2h"]))
+        @rule()
+        def writing_check(self) -> None:
+            self.learn_tree()
+            acked = self.tier.writing_check()
+            self.step("writing_check", ops.writing_check, acked)
+
+        @precondition(lambda self: bool(self.seen))
+        @rule(index=st.integers(0, 63), evict_first=st.integers(0, 24),
+              quota=st.none() | st.integers(0, 24))
+        def request_again(self, index: int, evict_first: int, quota: int | None) -> None:
+            tokens, namespace = self.seen[index % len(self.seen)]
+            engine = self.cache.engine
+            if evict_first and isinstance(engine, ControlledCopyEngine):
+                engine.complete("d2h", engine.queued("d2h"))
+                self.learn_tree()
+                self.step("writing_check", ops.writing_check, self.tier.writing_check())
+            if evict_first:
+                self.evict_both(evict_first)
+            self.serve(tokens, namespace, 1, False, 0, False, quota)
+
+        @rule(go=st.integers(0, 15))
+        def reset(self, go: int) -> None:
+            """Not with storage: the tier does not implement 9.4's reset."""
+
+        # -- storage rules ------------------------------------------------------------
+
+        @rule(settings=settings_strategy, go=st.integers(0, 3))
+        def attach(self, settings: TierSettings, go: int = 0) -> None:
+            if go:
+                return
+            observed = self.tier.attach(self.backend, "model-x", settings, threaded=False,
+                                        batch_pages=8)
+            identity = self.tier.identity
+            assert identity is not None
+            self.identity = (identity.model, identity.dtype, identity.layout)
+            self.settings = self.tier.settings
+            want = self.sstep("attach_storage", ops.attach_storage, self.backend.name,
+                              identity=self.identity, settings=settings_of(settings),
+                              retained=True)
+            assert observed == want, (observed, want)
+            self.learn_tree()
+            for tokens, namespace in self.seen:
+                self.learn(RadixKey(tokens, namespace))
+
+        @precondition(lambda self: self.tier.attached)
+        @rule(go=st.integers(0, 7))
+        def detach(self, go: int) -> None:
+            if go:
+                return
+            self.run_io()
+            self.tier.detach()
+            self.sstep("detach_storage", ops.detach_storage)
+
+        @precondition(lambda self: self.tier.attached)
+        @rule(go=st.integers(0, 15))
+        def clear(self, go: int) -> None:
+            if go == 0:
+                assert self.tier.clear() == self.sstep("clear_storage", ops.clear_storage)
+
+        @precondition(lambda self: self.tier.attached)
+        @rule(operation=st.sampled_from(sorted(FAULTS)), data=st.data(),
+              go=st.integers(0, 2))
+        def inject(self, operation: str, data: st.DataObject, go: int) -> None:
+            if go:
+                return
+            kind = data.draw(st.sampled_from(FAULTS[operation]))
+            at_page = 0 if kind == "raise" else data.draw(st.integers(1 if kind == "die"
+                                                                      else 0, 3))
+            if self.backend.queued_faults(operation) < 2:  # type: ignore[arg-type]
+                self.backend.inject(operation, Fault(kind, at_page))  # type: ignore[arg-type]
+                injected[f"{operation}:{kind}"] += 1
+
+        @precondition(lambda self: self.tier.attached and bool(self.seen))
+        @rule(index=st.integers(0, 63))
+        def query(self, index: int) -> None:
+            rkey = self.pick(index)
+            assert rkey is not None
+            self.learn(rkey)
+            faults_before = self.backend.queued_faults("exists")
+            tokens = self.tier.query_storage_hit_length(rkey)
+            if self.backend.queued_faults("exists") != faults_before:
+                return  # the fault went to this question; the model has no such step
+            got = self.sstep("query_storage_hit_length", ops.query_storage_hit_length,
+                             Key(rkey.tokens, rkey.namespace), None,
+                             tokens // self.cache.page_size)
+            assert tokens == got
+
+        @precondition(lambda self: self.tier.attached and bool(self.seen))
+        @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63),
+              use_anchor=st.booleans(), dt=st.integers(0, 2))
+        def prefetch(self, request: str, index: int, use_anchor: bool, dt: int) -> None:
+            rkey = self.pick(index)
+            assert rkey is not None
+            key = Key(rkey.tokens, rkey.namespace)
+            self.learn(rkey)
+            if request in self.tier.state.prefetches:
+                before = abstract(self.cache, self.model)
+                try:
+                    self.tier.prefetch_from_storage(request, rkey)
+                except StorageArgumentError as error:
+                    assert error.argument == "request"
+                else:
+                    raise AssertionError("a second prefetch for a request was accepted")
+                assert abstract(self.cache, self.model) == before
+                self.counts.ops["misuse rejected"] += 1
+                return
+            anchor = None
+            if use_anchor:
+                got = self.cache.match_prefix(rkey)
+                want = self.step("match_prefix", ops.match_prefix, key, self.clock.tick)
+                self.same_match(got, want)  # type: ignore[arg-type]
+                if got.last_host_node is not self.cache.root:
+                    anchor = got.last_host_node
+            now = self.clock.advance(dt)
+            tokens = self.tier.prefetch_from_storage(request, rkey, anchor)
+            started = self.tier.state.prefetches.get(request)
+            slots = None if started is None else tuple(started.reserved.tolist())
+            got_tokens = self.sstep(
+                "prefetch_from_storage", ops.prefetch_from_storage, request, key,
+                None if anchor is None else self.page_of(anchor), now,
+                host_victims=tuple(map(to_key, self.tier.last_host_victims)),
+                host_slots=slots)
+            assert tokens == got_tokens, (tokens, got_tokens)
+
+        @precondition(lambda self: self.tier.attached)
+        @rule()
+        def store(self) -> None:
+            """Time passes: host copies land and are acknowledged, the I/O runs."""
+            engine = self.cache.engine
+            if isinstance(engine, ControlledCopyEngine) and engine.queued("d2h"):
+                engine.complete("d2h", engine.queued("d2h"))
+            if self.cache.pending["d2h"]:
+                self.writing_check()
+            if self.io_pending():
+                self.run_io()
+
+        @precondition(lambda self: self.tier.attached and bool(self.seen))
+        @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63),
+              evict=st.integers(0, 12), use_anchor=st.booleans(), dt=st.integers(0, 4),
+              run=st.booleans())
+        def cycle(self, request: str, index: int, evict: int, use_anchor: bool, dt: int,
+                  run: bool) -> None:
+            """A request's round trip through storage: its pages are stored, leave the
+            cache, are prefetched back and the prefetch is polled (each step checked)."""
+            self.store()
+            self.refines_the_model()
+            self.drain()  # the acks release the written pages' protection
+            self.refines_the_model()
+            if evict:
+                self.evict_both(evict)
+                self.evict_host(evict)
+                self.refines_the_model()
+            self.prefetch(request, index, use_anchor, 0)
+            self.refines_the_model()
+            if run and self.io_pending():
+                self.run_io()
+                self.refines_the_model()
+            if request in self.tier.state.prefetches:
+                self.progress(request, dt)
+
+        @precondition(lambda self: self.tier.attached and self.io_pending())
+        @rule()
+        def run_io(self) -> None:
+            io = self.tier.io
+            if io is None:
+                return
+            io.run_pending()
+            prefetched, backed_up = io.drain_prefetch(), io.drain_backup()
+            storage = self.model.storage
+            assert storage is not None
+            for result in prefetched:
+                live = next((p for p in self.model.storage.prefetches  # type: ignore[union-attr]
+                             if p.id == result.op_id), None)
+                if live is None or live.phase != "querying":
+                    continue  # ended or stopped before its I/O ran: nothing to report
+                revoked = self.sstep("io_prefetch_query", ops.io_prefetch_query,
+                                     live.request, result.pages_hit)
+                if revoked:
+                    continue
+                landed, hit = result.pages_done, result.pages_hit
+                fault = None if landed == hit else (
+                    "raise" if result.error is not None and landed == 0 else "short")
+                self.sstep("io_prefetch_fetch", ops.io_prefetch_fetch, live.request, landed,
+                           fault=fault)
+            for backup in backed_up:
+                write = self.tier.state.writes[backup.op_id]  # type: ignore[index]
+                remaining = len(write.pages)
+                fault = None if backup.pages_done == remaining else (
+                    "raise" if backup.error is not None and backup.pages_done == 0
+                    else "short")
+                self.sstep("io_storage_write", ops.io_storage_write, backup.pages_done,
+                           fault=fault)
+            self.tier.accept(prefetched, backed_up)
+
+        @precondition(lambda self: self.tier.attached and bool(self.tier.state.prefetches))
+        @rule(request=st.sampled_from(REQUESTS), dt=st.integers(0, 4))
+        def progress(self, request: str, dt: int) -> None:
+            now = self.clock.advance(dt)
+            got = self.tier.check_prefetch_progress(request)
+            want = self.sstep("check_prefetch_progress", ops.check_prefetch_progress,
+                              request, now)
+            assert got == want, (got, want)
+
+        @precondition(lambda self: self.tier.attached and bool(self.tier.state.prefetches))
+        @rule(request=st.sampled_from(REQUESTS))
+        def terminate(self, request: str) -> None:
+            self.tier.terminate_prefetch(request)
+            self.sstep("terminate_prefetch", ops.terminate_prefetch, request)
+
+        @precondition(lambda self: bool(self.tier.state.prefetches)
+                      or bool(self.tier.state.loaded_tokens))
+        @rule(request=st.sampled_from(REQUESTS))
+        def abort(self, request: str) -> None:
+            self.tier.release_aborted_request(request)
+            self.sstep("release_aborted_request", ops.release_aborted_request, request)
+
+        @precondition(lambda self: bool(self.tier.state.loaded_tokens))
+        @rule(request=st.sampled_from(REQUESTS))
+        def pop_loaded(self, request: str) -> None:
+            got = self.tier.pop_prefetch_loaded_tokens(request)
+            want = self.sstep("pop_prefetch_loaded_tokens", ops.pop_prefetch_loaded_tokens,
+                              request)
+            assert got == want, (got, want)
+
+        @precondition(lambda self: self.tier.attached and bool(
+            self.tier.state.release_queue or self.tier.state.revoke_queue
+            or any(w.phase == "acked" for w in self.tier.state.writes.values())))
+        @rule()
+        def drain(self) -> None:
+            if self.tier.state.io_held:
+                self.run_io()  # a drain never frees slots the I/O may still write
+            got = self.tier.drain_storage_queues()
+            want = self.sstep("drain_storage_queues", ops.drain_storage_queues)
+            assert got == want, (got, want)
+
+        # -- after every step -----------------------------------------------------------
+
+        def check_impl(self) -> None:
+            """``check_invariants``, with INV-HOST-POOL-CONSERVATION amended (9.2): the
+            host slots neither free nor in the tree are exactly the tier's (reserved by
+            a prefetch, or queued for release)."""
+            found = failures(self.cache)
+            leaked = found.pop("INV-HOST-POOL-CONSERVATION", [])
+            pool = self.cache.host_pool
+            tree = {s for n in self.cache.nodes() if n.host is not None
+                    for s in n.host.tolist()}
+            outside = set(range(pool.num_slots)) - pool.free_slots() - tree
+            tier_owned = self.tier.host_slots_owned()
+            assert sorted(tier_owned) == sorted(outside), (tier_owned, outside)
+            others = [p for p in leaked if "leaked" not in p]
+            assert not others, others
+            assert not found, found
+
+        @invariant()
+        def refines_the_model(self) -> None:
+            found = violations(self.model)
+            assert not found, f"the model broke its own invariants: {found}"
+            self.check_impl()
+            self.tier.check()
+            seen = abstract(self.cache, self.model)
+            storage = abstract_storage(self.tier, self.model,
+                                       self.backend if self.settings else None,
+                                       self.identity, self.settings, self.names)
+            seen = dataclasses.replace(seen, storage=storage)
+            if seen != self.model:
+                raise AssertionError("implementation and model disagree:\n"
+                                     + describe_difference(seen, self.model)
+                                     + "\n" + describe_difference_storage(seen, self.model))
+            self.counts.checks += 1
+
+    StorageConformance.__name__ = f"StorageConformance_{scenario.slug()}"
+    return StorageConformance
+
+
+def describe_difference_storage(impl, model) -> str:  # type: ignore[no-untyped-def]
+    a, b = impl.storage, model.storage
+    if a is None or b is None:
+        return f"storage: impl {a!r} != model {b!r}"
+    lines = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x != y:
+            lines.append(f"storage.{f.name}: impl {x!r} != model {y!r}")
+    return "\n".join(lines)
+
+
+__all__ = ["FAULTS", "make_storage_machine"]

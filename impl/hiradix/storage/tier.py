@@ -1,0 +1,697 @@
+"""The cache-side storage tier: prefetch into reserved host slots, backup of host copies.
+
+``StorageTier`` composes with a ``HiRadixCache`` (it does not subclass or edit it) and
+transcribes spec/09 onto the radix tree:
+
+- ``attach`` / ``detach`` / ``clear`` (9.4): validation is complete before any effect;
+- ``query_storage_hit_length`` and ``prefetch_from_storage`` (9.4): host room for the
+  shortfall only (DEV-S7), shrunk page aligned to what fits, rate limited, anchor
+  host-protected while the prefetch is ongoing (INV-HOST-PROTECT-HOLDERS);
+- ``check_prefetch_progress`` under ``best_effort`` / ``wait_complete`` / ``timeout``
+  (9.6), the timeout linear and capped on the cache's logical clock, in exact integers
+  (DEV-S10); only the landed contiguous prefix is inserted, as host-only pages (S-R4,
+  DEV-S5); every other reserved slot is given up exactly once (S-R2, INV-RELEASE-ONCE);
+- ``terminate_prefetch``, ``release_aborted_request``, ``pop_prefetch_loaded_tokens``;
+- ``writing_check``: the cache's ``writing_check`` followed by S-R1: the pages of each
+  acknowledged device-to-host copy that the backend lacks are written to storage, each
+  host-protected until the write's acknowledgement is drained (INV-STORAGE-WRITE-PROTECT);
+- ``drain_storage_queues``: the I/O's results, then the revoke, ack and release queues.
+
+Slots the I/O is still writing into are never freed: a prefetch ended while its I/O
+runs hands the slots past its landed pages to the I/O, and they reach the release queue
+with the I/O's result (DEV-S12, DEV-S13). Protections are kept per page: a page run is
+resolved to nodes (splitting at its ends) when it is protected and again when it is
+released, so a split in between cannot misplace a count.
+
+Typed errors (``StorageArgumentError``) are raised before any change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from hiradix._slots import is_int
+from hiradix.cache import HiRadixCache
+from hiradix.keys import RadixKey
+from hiradix.storage.backend import StorageBackend
+from hiradix.storage.config import PREFETCH_POLICIES, PrefetchPolicy, StorageConfig
+from hiradix.storage.errors import StorageArgumentError, StorageError
+from hiradix.storage.hashing import PageIdentity, page_hashes
+from hiradix.storage.io import BackupResult, PrefetchResult, StorageIO
+from hiradix.tree import TreeNode, split
+
+Phase = Literal["querying", "fetching", "stopped", "revoked"]
+WritePhase = Literal["running", "acked"]
+Destination = Literal["free", "queue", "tree", "io"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    """The constants of spec/09, 9.1, in logical ticks (``from_config`` converts a
+    ``StorageConfig``'s seconds at ``ticks_per_second``)."""
+
+    prefetch_threshold: int = 256
+    prefetch_policy: PrefetchPolicy = "best_effort"
+    timeout_base: int = 2000
+    timeout_per_ki_token: int = 100
+    timeout_max: int = 30000
+    prefetch_token_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefetch_threshold", "timeout_base", "timeout_per_ki_token",
+                     "timeout_max"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise StorageArgumentError(name, f"must be an int >= 0, got {value!r}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise StorageArgumentError("prefetch_policy", f"must be one of "
+                                                          f"{PREFETCH_POLICIES}, got "
+                                                          f"{self.prefetch_policy!r}")
+        limit = self.prefetch_token_limit
+        if limit is not None and (not is_int(limit) or limit < 0):
+            raise StorageArgumentError("prefetch_token_limit",
+                                       f"must be None or an int >= 0, got {limit!r}")
+
+    @classmethod
+    def from_config(cls, config: StorageConfig, ticks_per_second: int = 1000) -> TierSettings:
+        if not isinstance(config, StorageConfig):
+            raise StorageArgumentError("config", f"must be a StorageConfig, got "
+                                                 f"{type(config).__name__}")
+        if not is_int(ticks_per_second) or ticks_per_second < 1:
+            raise StorageArgumentError("ticks_per_second", f"must be an int >= 1, got "
+                                                           f"{ticks_per_second!r}")
+        return cls(prefetch_threshold=config.prefetch_threshold_tokens,
+                   prefetch_policy=config.prefetch_policy,
+                   timeout_base=round(config.timeout_base_s * ticks_per_second),
+                   timeout_per_ki_token=round(config.timeout_per_1k_tokens_s * ticks_per_second),
+                   timeout_max=round(config.timeout_max_s * ticks_per_second),
+                   prefetch_token_limit=config.max_prefetch_tokens_in_flight)
+
+    def timed_out(self, elapsed: int, tokens: int) -> bool:
+        """9.1: ``1024 * elapsed > min(1024 * max, 1024 * base + per_ki * tokens)``."""
+        limit = min(1024 * self.timeout_max,
+                    1024 * self.timeout_base + self.timeout_per_ki_token * tokens)
+        return 1024 * elapsed > limit
+
+
+@dataclass
+class TierMetrics:
+    """Counters of the tier since it was made."""
+
+    prefetches_started: int = 0
+    prefetches_revoked: int = 0
+    prefetches_ended: int = 0
+    prefetches_aborted: int = 0
+    prefetch_timeouts: int = 0
+    prefetch_tokens_reserved: int = 0
+    prefetch_tokens_inserted: int = 0
+    prefetch_errors: int = 0
+    writes_issued: int = 0
+    write_pages_issued: int = 0
+    write_errors: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PageRun:
+    """Pages ``[start, end)`` of ``key`` (page indices)."""
+
+    key: RadixKey
+    start: int
+    end: int
+
+
+@dataclass
+class TierPrefetch:
+    """One ongoing prefetch (spec/09 ``Prefetch``)."""
+
+    id: int
+    request: str
+    key: RadixKey
+    anchor: int  # pages of ``key`` above the fetched ones; 0: the root
+    pages: int  # pages reserved for: key pages [anchor, anchor + pages)
+    reserved: torch.Tensor
+    owned: int  # leading pages whose slots it still owns
+    start: int
+    phase: Phase = "querying"
+    hit_pages: int | None = None
+    landed: int = 0
+    terminated: bool = False
+    io_running: bool = True  # the I/O holds the slots past ``landed`` until its result
+
+
+@dataclass
+class TierWrite:
+    """One backup to storage not yet released (spec/09 ``StorageWrite``)."""
+
+    id: int
+    pages: list[PageRun]  # one-page runs, root-most first
+    done: int = 0
+    phase: WritePhase = "running"
+
+
+@dataclass
+class _Attachment:
+    backend: StorageBackend
+    io: StorageIO
+    identity: PageIdentity
+    settings: TierSettings
+
+
+@dataclass
+class TierState:
+    prefetches: dict[str, TierPrefetch] = field(default_factory=dict)
+    writes: dict[int, TierWrite] = field(default_factory=dict)
+    revoke_queue: list[int] = field(default_factory=list)
+    release_queue: list[int] = field(default_factory=list)
+    # Queued slots the I/O of a prefetch (by id) may still be writing: not freed by a
+    # drain until that I/O's result has come.
+    io_held: dict[int, list[int]] = field(default_factory=dict)
+    occupied_tokens: int = 0
+    loaded_tokens: dict[str, int] = field(default_factory=dict)
+    release_log: list[tuple[int, int]] = field(default_factory=list)
+    next_id: int = 0
+
+
+def _require_request(request: object) -> str:
+    if not isinstance(request, str) or not request:
+        raise StorageArgumentError("request", f"must be a non-empty str, got {request!r}")
+    return request
+
+
+class StorageTier:
+    """The storage tier of ``cache`` (spec/09). One per cache."""
+
+    def __init__(self, cache: HiRadixCache) -> None:
+        if not isinstance(cache, HiRadixCache):
+            raise StorageArgumentError("cache", f"must be a HiRadixCache, got "
+                                                f"{type(cache).__name__}")
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.metrics = TierMetrics()
+        self.state = TierState()
+        self._attached: _Attachment | None = None
+        self.last_host_victims: list[tuple[str | None, tuple[int, ...]]] = []
+
+    # ------------------------------------------------------------------ attach
+
+    @property
+    def attached(self) -> bool:
+        return self._attached is not None
+
+    @property
+    def backend(self) -> StorageBackend | None:
+        return None if self._attached is None else self._attached.backend
+
+    @property
+    def io(self) -> StorageIO | None:
+        return None if self._attached is None else self._attached.io
+
+    @property
+    def settings(self) -> TierSettings | None:
+        return None if self._attached is None else self._attached.settings
+
+    @property
+    def identity(self) -> PageIdentity | None:
+        return None if self._attached is None else self._attached.identity
+
+    def attach(self, backend: StorageBackend, model_identity: str,
+               settings: TierSettings | None = None, *, threaded: bool = True,
+               batch_pages: int = 1) -> Literal["attached", "policies updated"]:
+        """9.4 ``attach_storage``. Re-attaching the attached backend only replaces the
+        prefetch policy ("policies updated"); another backend while one is attached is an
+        error. Everything is validated before anything changes."""
+        if not isinstance(backend, StorageBackend):
+            raise StorageArgumentError("backend", f"must be a StorageBackend, got "
+                                                  f"{type(backend).__name__}")
+        if not isinstance(model_identity, str) or not model_identity:
+            raise StorageArgumentError("model_identity", f"must be a non-empty str, got "
+                                                         f"{model_identity!r}")
+        checked = TierSettings() if settings is None else settings
+        if not isinstance(checked, TierSettings):
+            raise StorageArgumentError("settings", f"must be TierSettings, got "
+                                                   f"{type(settings).__name__}")
+        if self._attached is not None:
+            if backend is not self._attached.backend:
+                raise StorageArgumentError("backend", f"{self._attached.backend.name!r} is "
+                                                      "attached; detach it first")
+            current = self._attached.settings
+            self._attached.settings = TierSettings(
+                current.prefetch_threshold, checked.prefetch_policy, current.timeout_base,
+                current.timeout_per_ki_token, current.timeout_max,
+                current.prefetch_token_limit)
+            return "policies updated"
+        identity = PageIdentity.for_pool(self.cache.host_pool, model_identity)
+        io = StorageIO(backend, self.cache.host_pool, threaded=threaded,
+                       batch_pages=batch_pages)  # validates threaded and batch_pages
+        self._attached = _Attachment(backend, io, identity, checked)
+        return "attached"
+
+    def detach(self) -> None:
+        """9.4 ``detach_storage``: drain, stop the I/O (every operation gets its result),
+        free what each prefetch still owns once (DEV-S1), drop the write protections."""
+        if self._attached is None:
+            return
+        self.drain_storage_queues()
+        for prefetch in self.state.prefetches.values():
+            if prefetch.io_running:
+                self._attached.io.terminate(prefetch.id)
+        self._attached.io.shutdown()
+        self._poll()
+        for prefetch in list(self.state.prefetches.values()):
+            self._give_up(prefetch, 0, "free")
+            self._end(prefetch)
+        self.drain_storage_queues()
+        for write in list(self.state.writes.values()):
+            self._release_write(write)
+        assert not self.state.io_held, self.state.io_held
+        self._attached = None
+
+    def clear(self) -> bool:
+        """9.4 ``clear_storage``: forget every stored page; False if detached."""
+        if self._attached is None:
+            return False
+        self._attached.backend.clear()
+        return True
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require(self) -> _Attachment:
+        if self._attached is None:
+            raise StorageArgumentError("backend", "no storage backend is attached")
+        return self._attached
+
+    def _hashes(self, key: RadixKey, identity: PageIdentity) -> list[str]:
+        aligned = key.aligned_length(self.page_size)
+        return page_hashes(list(key.tokens[:aligned]), self.page_size, identity,
+                           key.namespace)
+
+    def _limit(self, settings: TierSettings) -> int:
+        if settings.prefetch_token_limit is not None:
+            return settings.prefetch_token_limit
+        return 4 * (self.cache.host_pool.num_slots - self.cache.device_pool.num_slots) // 5
+
+    def _worth(self, settings: TierSettings, pages: int) -> bool:
+        """9.1 "worth prefetching" (attached is the caller's business)."""
+        return (pages > 0 and self.page_size * pages >= settings.prefetch_threshold
+                and self.state.occupied_tokens < self._limit(settings))
+
+    def _anchor_depth(self, key: RadixKey, anchor: object) -> int:
+        """Pages of ``key`` at and above the anchor node (the root: 0)."""
+        if not isinstance(key, RadixKey):
+            raise StorageArgumentError("key", f"must be a RadixKey, got {type(key).__name__}")
+        if anchor is None or anchor is self.cache.root:
+            return 0
+        node = self.cache._require_node(anchor, "anchor")
+        prefix = node.prefix()
+        if node.namespace != key.namespace or key.tokens[:len(prefix)] != prefix \
+                or len(prefix) > key.aligned_length(self.page_size):
+            raise StorageArgumentError("anchor", f"{node!r} is not a page of the key")
+        if node.host is None:
+            raise StorageArgumentError("anchor", f"{node!r} has no host copy")
+        return len(prefix) // self.page_size
+
+    def _run_nodes(self, run: PageRun) -> list[TreeNode]:
+        """The nodes covering exactly ``run`` (split at its ends); all must be cached."""
+        size = self.page_size
+        nodes = self.cache._descend(run.key, run.end * size)
+        covered, position = [], 0
+        for node in nodes:
+            low, high = position, position + len(node.tokens)
+            position = high
+            if high <= run.start * size:
+                continue
+            if low < run.start * size:
+                upper = split(node, run.start * size - low, size)
+                self.cache._refresh_around(upper)
+            covered.append(node)
+        assert position == run.end * size, f"run {run} is not cached"
+        return covered
+
+    def _protect(self, run: PageRun, delta: int) -> None:
+        for node in self._run_nodes(run):
+            node.host_ref += delta
+            assert node.host_ref >= 0, node
+            self.cache._refresh(node)
+
+    def _give_up(self, prefetch: TierPrefetch, keep: int, to: Destination) -> None:
+        """S-R2: the slots of pages ``keep`` on leave the prefetch, logged once each."""
+        if keep >= prefetch.owned:
+            return
+        size = self.page_size
+        slots = prefetch.reserved[keep * size:prefetch.owned * size]
+        listed = slots.tolist()
+        prefetch.owned = keep
+        self.state.release_log.extend((prefetch.id, slot) for slot in listed)
+        if to == "free":
+            self.cache.host_pool.release(slots)
+        elif to == "queue":
+            self.state.release_queue.extend(listed)
+        elif to == "io":
+            self.state.release_queue.extend(listed)
+            self.state.io_held.setdefault(prefetch.id, []).extend(listed)
+
+    def _end(self, prefetch: TierPrefetch) -> None:
+        """S-R3."""
+        assert prefetch.owned == 0, prefetch
+        del self.state.prefetches[prefetch.request]
+        if prefetch.anchor > 0:
+            self._protect(PageRun(prefetch.key, prefetch.anchor - 1, prefetch.anchor), -1)
+        self.state.occupied_tokens -= prefetch.pages * self.page_size
+
+    def _by_id(self, prefetch_id: int) -> TierPrefetch | None:
+        return next((p for p in self.state.prefetches.values() if p.id == prefetch_id), None)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def query_storage_hit_length(self, key: RadixKey, anchor: TreeNode | None = None) -> int:
+        """9.4: tokens of the leading pages below ``anchor`` that storage holds; 0 if not
+        worth prefetching or detached. A backend error answers 0."""
+        depth = self._anchor_depth(key, anchor)
+        if self._attached is None:
+            return 0
+        hashes = self._hashes(key, self._attached.identity)[depth:]
+        if not self._worth(self._attached.settings, len(hashes)):
+            return 0
+        try:
+            return self.page_size * self._attached.backend.exists(hashes)
+        except StorageError:
+            return 0
+
+    def prefetch_from_storage(self, request: str, key: RadixKey,
+                              anchor: TreeNode | None = None) -> int:
+        """9.4: reserve host slots for the pages of ``key`` below ``anchor`` (the deepest
+        matched node with a host copy, or None) and start fetching them; return the tokens
+        reserved (0: nothing started)."""
+        request = _require_request(request)
+        depth = self._anchor_depth(key, anchor)
+        attachment = self._require()
+        if request in self.state.prefetches:
+            raise StorageArgumentError("request", f"{request!r} has a prefetch ongoing "
+                                                  "(DEV-S3)")
+        now = self.cache._now()
+        self.last_host_victims = []
+        hashes = self._hashes(key, attachment.identity)[depth:]
+        settings = attachment.settings
+        if not self._worth(settings, len(hashes)):
+            return 0
+        size = self.page_size
+        anchor_run = PageRun(key, depth - 1, depth)
+        if depth > 0:
+            self._protect(anchor_run, +1)
+        # The shortfall only (DEV-S7); the victims are kept for the conformance layer.
+        self.last_host_victims = self.cache._make_host_room(size * len(hashes))
+        fit = min(len(hashes), self.cache.host_pool.num_free_slots // size)
+        if fit == 0 or size * fit < settings.prefetch_threshold:
+            if depth > 0:
+                self._protect(anchor_run, -1)
+            return 0
+        reserved = self.cache.host_pool.alloc(size * fit)
+        assert reserved is not None
+        state = self.state
+        prefetch = TierPrefetch(state.next_id, request, key, depth, fit, reserved, fit, now)
+        state.next_id += 1
+        state.prefetches[request] = prefetch
+        state.occupied_tokens += size * fit
+        min_pages = max(1, math.ceil(settings.prefetch_threshold / size))
+        attachment.io.submit_prefetch(prefetch.id, hashes[:fit], reserved,
+                                      min_pages=min_pages)
+        self.metrics.prefetches_started += 1
+        self.metrics.prefetch_tokens_reserved += size * fit
+        return size * fit
+
+    def _on_prefetch(self, result: PrefetchResult) -> None:
+        """The I/O's report on a prefetch (9.5): slots past the hits and past the landed
+        pages go to the release queue; too few hits revoke it."""
+        assert isinstance(result.op_id, int)
+        self.state.io_held.pop(result.op_id, None)  # those queued slots may be freed now
+        prefetch = self._by_id(result.op_id)
+        if prefetch is None or not prefetch.io_running:
+            return
+        prefetch.io_running = False
+        if prefetch.terminated:  # it gave up its slots at terminate_prefetch (DEV-S12)
+            return
+        if result.error is not None:
+            self.metrics.prefetch_errors += 1
+        if result.revoked or (result.pages_hit == 0 and not result.terminated):
+            self._give_up(prefetch, 0, "queue")
+            prefetch.phase = "revoked"
+            prefetch.hit_pages = 0
+            self.state.revoke_queue.append(prefetch.id)
+            self.metrics.prefetches_revoked += 1
+            return
+        if prefetch.hit_pages is None and not result.terminated:
+            prefetch.hit_pages = result.pages_hit
+            self._give_up(prefetch, result.pages_hit, "queue")  # past the hits first (9.5)
+        prefetch.landed = max(prefetch.landed, result.pages_done)
+        self._give_up(prefetch, prefetch.landed, "queue")
+        prefetch.phase = "stopped"
+
+    def _on_backup(self, result: BackupResult) -> None:
+        assert isinstance(result.op_id, int)
+        write = self.state.writes[result.op_id]
+        write.done = result.pages_done
+        write.phase = "acked"
+        if result.error is not None:
+            self.metrics.write_errors += 1
+
+    def _poll(self) -> None:
+        """Take the I/O's results (never blocks)."""
+        if self._attached is None:
+            return
+        self.accept(self._attached.io.drain_prefetch(), self._attached.io.drain_backup())
+
+    def accept(self, prefetches: list[PrefetchResult], backups: list[BackupResult]) -> None:
+        """Apply I/O results the caller drained from ``io`` itself (the conformance layer
+        does, to report each to the model first); prefetches first, as ``run_pending``."""
+        for prefetch_result in prefetches:
+            self._on_prefetch(prefetch_result)
+        for backup_result in backups:
+            self._on_backup(backup_result)
+
+    def _may_end(self, settings: TierSettings, prefetch: TierPrefetch, now: int) -> bool:
+        """9.6."""
+        complete = (prefetch.hit_pages is not None and prefetch.hit_pages > 0
+                    and prefetch.landed == prefetch.hit_pages and not prefetch.io_running)
+        if prefetch.terminated or settings.prefetch_policy == "best_effort" or complete:
+            return True
+        if settings.prefetch_policy == "wait_complete":
+            return False
+        tokens = self.page_size * (prefetch.hit_pages or 0)
+        if settings.timed_out(now - prefetch.start, tokens):
+            self.metrics.prefetch_timeouts += 1
+            return True
+        return False
+
+    def check_prefetch_progress(self, request: str) -> bool:
+        """9.4: True if ``request`` need not wait for storage any more. Ending a prefetch
+        inserts its landed pages (S-R4) and records the tokens in ``loaded_tokens``."""
+        request = _require_request(request)
+        now = self.cache._now()
+        self._poll()
+        prefetch = self.state.prefetches.get(request)
+        if prefetch is None:
+            return True
+        attachment = self._require()
+        if not self._may_end(attachment.settings, prefetch, now):
+            return False
+        tail: Destination = "queue"
+        if prefetch.io_running and not prefetch.terminated:
+            attachment.io.terminate(prefetch.id)
+            progress = attachment.io.prefetch_progress(prefetch.id)
+            # Pages counted done are in their slots; the rest stay with the I/O.
+            prefetch.landed = max(prefetch.landed, progress or 0)
+            tail = "io"
+        landed = min(prefetch.landed, prefetch.owned)
+        inserted = self._insert_landed(prefetch, now, landed)
+        self._give_up(prefetch, landed, tail)
+        prefetch.owned = 0
+        self._end(prefetch)
+        self.state.loaded_tokens[request] = self.page_size * inserted
+        self.metrics.prefetches_ended += 1
+        self.metrics.prefetch_tokens_inserted += self.page_size * inserted
+        return True
+
+    def _insert_landed(self, prefetch: TierPrefetch, now: int, landed: int) -> int:
+        """S-R4: walk the landed pages (all the prefetch still owns); stamp the cached
+        ones with a host copy, then insert the rest as one host-only node, or free them if
+        the walk stops at a cached page without a host copy (DEV-S5). Every landed slot is
+        given up once, to the free list or the tree. Returns the pages inserted."""
+        size = self.page_size
+        key = prefetch.key
+        cache = self.cache
+        walked, insert = 0, False
+        parent: TreeNode = cache.root
+        for index in range(landed):
+            page = prefetch.anchor + index
+            nodes = cache._descend(key, (page + 1) * size)
+            depth = sum(len(n.tokens) for n in nodes)
+            if depth < (page + 1) * size:
+                assert depth == page * size, (depth, page)
+                parent = nodes[-1] if nodes else cache.root
+                insert = True
+                break
+            if nodes[-1].host is None:
+                break
+            nodes[-1].last_tick = now
+            walked += 1
+        slots = prefetch.reserved[:landed * size]
+        self.state.release_log.extend((prefetch.id, s) for s in slots.tolist())
+        keep = slots[walked * size:] if insert else slots[:0]
+        freed = slots[:walked * size] if insert else slots
+        if freed.numel():
+            cache.host_pool.release(freed)
+        if not insert:
+            return 0
+        tokens = key.tokens[(prefetch.anchor + walked) * size:(prefetch.anchor + landed) * size]
+        node = TreeNode(cache, key.namespace, tokens, parent, now,
+                        parent.priority if parent is not cache.root else 0)
+        node.host = keep.clone()
+        parent.children[(key.namespace, tokens[:size])] = node
+        cache._refresh_around(node)
+        return landed - walked
+
+    def terminate_prefetch(self, request: str) -> None:
+        """9.4: ask the I/O to stop; the next ``check_prefetch_progress`` may end it under
+        every policy."""
+        request = _require_request(request)
+        prefetch = self.state.prefetches.get(request)
+        if prefetch is None or prefetch.terminated:
+            return
+        prefetch.terminated = True
+        if prefetch.io_running and self._attached is not None:
+            self._attached.io.terminate(prefetch.id)
+            progress = self._attached.io.prefetch_progress(prefetch.id)
+            prefetch.landed = max(prefetch.landed, progress or 0)
+            self._give_up(prefetch, prefetch.landed, "io")  # DEV-S12: queued at once
+            prefetch.phase = "stopped"
+
+    def release_aborted_request(self, request: str) -> None:
+        """9.4: forget the request; its prefetch gives up every slot (none inserted)."""
+        request = _require_request(request)
+        self.state.loaded_tokens.pop(request, None)
+        prefetch = self.state.prefetches.get(request)
+        if prefetch is None:
+            return
+        if prefetch.io_running:
+            assert self._attached is not None
+            self._attached.io.terminate(prefetch.id)
+            self._give_up(prefetch, 0, "io")
+        else:
+            self._give_up(prefetch, 0, "queue")
+        self._end(prefetch)
+        self.metrics.prefetches_aborted += 1
+
+    def pop_prefetch_loaded_tokens(self, request: str) -> int:
+        """9.4: the tokens ``request``'s last ended prefetch inserted (then forgotten)."""
+        return self.state.loaded_tokens.pop(_require_request(request), 0)
+
+    # ------------------------------------------------------------------ backup
+
+    def writing_check(self) -> int:
+        """The cache's ``writing_check``, then S-R1 for each acknowledged copy's pages."""
+        copies = list(self.cache.pending["d2h"])
+        count = self.cache.writing_check()
+        if self._attached is None:
+            return count
+        for copy in copies[:count]:
+            prefix = copy.lock_node.prefix()
+            key = RadixKey(prefix, copy.lock_node.namespace)
+            end = len(prefix) // self.page_size
+            self.backup_pages(PageRun(key, end - copy.tokens // self.page_size, end))
+        return count
+
+    def backup_pages(self, run: PageRun) -> bool:
+        """S-R1 for ``run`` (pages with a complete host copy): write the ones the backend
+        lacks, each host-protected until the write's ack is drained. False: none lacked."""
+        attachment = self._require()
+        hashes = self._hashes(run.key, attachment.identity)
+        lacking = [page for page in range(run.start, run.end)
+                   if not attachment.backend.has_page(hashes[page])]
+        if not lacking:
+            return False
+        runs = [PageRun(run.key, page, page + 1) for page in lacking]
+        slots = []
+        for page_run in runs:
+            (node,) = self._run_nodes(page_run)
+            assert node.host is not None, node
+            slots.append(node.host)
+        for page_run in runs:
+            self._protect(page_run, +1)
+        write = TierWrite(self.state.next_id, runs)
+        self.state.next_id += 1
+        self.state.writes[write.id] = write
+        attachment.io.submit_backup(write.id, [hashes[p] for p in lacking], torch.cat(slots))
+        self.metrics.writes_issued += 1
+        self.metrics.write_pages_issued += len(lacking)
+        return True
+
+    def _release_write(self, write: TierWrite) -> None:
+        for page_run in write.pages:
+            self._protect(page_run, -1)
+        del self.state.writes[write.id]
+
+    # ------------------------------------------------------------------ queues
+
+    def drain_storage_queues(self) -> tuple[int, int, int]:
+        """The I/O's results, then every revoke, ack and release queued; return the
+        counts processed (revokes, acks, releases)."""
+        self._poll()
+        state = self.state
+        revokes = len(state.revoke_queue)
+        for prefetch_id in state.revoke_queue:
+            prefetch = self._by_id(prefetch_id)
+            if prefetch is not None:  # DEV-S2: an id whose prefetch ended does nothing
+                self._end(prefetch)
+        state.revoke_queue.clear()
+        acked = [w for w in state.writes.values() if w.phase == "acked"]
+        for write in acked:
+            self._release_write(write)
+        busy = {slot for slots in state.io_held.values() for slot in slots}
+        freed = [slot for slot in state.release_queue if slot not in busy]
+        if freed:
+            self.cache.host_pool.release(torch.tensor(freed, dtype=torch.int64))
+        state.release_queue = [slot for slot in state.release_queue if slot in busy]
+        return revokes, len(acked), len(freed)
+
+    # ------------------------------------------------------------------ checks
+
+    def host_slots_owned(self) -> list[int]:
+        """Host slots the tier owns (9.2): those prefetches still own, and those queued
+        for release (busy ones included)."""
+        size = self.page_size
+        owned = [slot for p in self.state.prefetches.values()
+                 for slot in p.reserved[:p.owned * size].tolist()]
+        return owned + list(self.state.release_queue)
+
+    def check(self) -> None:
+        """Audit the tier's bookkeeping against the cache (INV-RELEASE-ONCE,
+        INV-HOST-PROTECT-HOLDERS, rate-limit accounting); raise AssertionError."""
+        size = self.page_size
+        logged = [(pid, slot) for pid, slot in self.state.release_log]
+        assert len(logged) == len(set(logged)), "a reserved slot was released twice"
+        occupied = sum(p.pages * size for p in self.state.prefetches.values())
+        assert occupied == self.state.occupied_tokens, (occupied, self.state.occupied_tokens)
+        for prefetch in self.state.prefetches.values():
+            assert prefetch.reserved.numel() >= prefetch.owned * size
+        holders: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        for prefetch in self.state.prefetches.values():
+            if prefetch.anchor > 0:
+                page = (prefetch.key.namespace, prefetch.key.tokens[:prefetch.anchor * size])
+                holders[page] = holders.get(page, 0) + 1
+        for write in self.state.writes.values():
+            for run in write.pages:
+                page = (run.key.namespace, run.key.tokens[:run.end * size])
+                holders[page] = holders.get(page, 0) + 1
+        for copy in self.cache.pending["h2d"]:
+            nodes = copy.nodes()
+            assert nodes is not None
+            for node in nodes:
+                for ref in self.cache._page_refs(node):
+                    holders[ref] = holders.get(ref, 0) + 1
+        for node in self.cache.nodes():
+            for ref in self.cache._page_refs(node):
+                assert node.host_ref == holders.get(ref, 0), (node, holders.get(ref, 0))
