@@ -1,10 +1,14 @@
 """Counters that the stateful tests fill and conftest prints at the end of a run."""
 
 import copy
+import random
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+
+from hiradix_model import Key, MatchResult, choosers, ops
 
 RUNS: Counter[str] = Counter()  # "examples", "steps", and one entry per rule
 STORAGE_RUNS: Counter[str] = Counter()  # the same for test_storage_stateful.py
@@ -12,10 +16,53 @@ STORAGE_RUNS: Counter[str] = Counter()  # the same for test_storage_stateful.py
 
 class Stepping:
     """Mixed into a model state machine: ``apply`` an operation to ``self.state`` and
-    count it in ``tally``; check that an operation ``rejects`` bad input unchanged."""
+    count it in ``tally``; check that an operation ``rejects`` bad input unchanged; and
+    ``serve`` a request the way a scheduler does. The machine provides ``tick(dt)``."""
 
-    state: object
+    state: Any
     tally: Counter[str]
+
+    def tick(self, dt: int) -> int:
+        raise NotImplementedError
+
+    def load(self, page: Key, quota: int | None, rng: random.Random) -> None:
+        victims, slots = choosers.choose_load(self.state, page, quota, rng)
+        loaded, _ = self.apply("init_load_back", ops.init_load_back, page, quota,  # type: ignore[misc]
+                               device_victims=victims, device_slots=slots)
+        self.tally["loads that copied"] += bool(loaded)
+
+    def serve(self, key: Key, rng: random.Random, ticks: tuple[int, int, int], *,
+              priority: int = 0, chunked: bool = False) -> MatchResult:
+        """Match (loading a host hit back and matching again), lock, evict the
+        shortfall, allocate, insert and free the duplicates; ``ticks`` advance the clock
+        before the first match, the second and the insert. Returns the match whose last
+        device page is now locked: the caller releases or keeps the lock."""
+        first, again, insert = ticks
+        match = self.apply("match_prefix", ops.match_prefix, key, self.tick(first))
+        assert isinstance(match, MatchResult)
+        if match.host_hit_tokens and match.last_host_page is not None:
+            self.load(match.last_host_page, None, rng)
+            match = self.apply("match_prefix", ops.match_prefix, key, self.tick(again))
+            assert isinstance(match, MatchResult)
+        self.apply("inc_lock_ref", ops.inc_lock_ref, match.last_device_page)
+        cached = len(match.device_slots)
+        need = len(key.tokens) - cached
+        if need > len(self.state.device_free):
+            short = need - len(self.state.device_free)
+            self.apply("evict", ops.evict, short, choosers.choose_evict(self.state, short, rng))
+        if need <= len(self.state.device_free):
+            new = tuple(rng.sample(sorted(self.state.device_free), need))
+            self.apply("alloc", ops.alloc, key, cached, new)
+            slots = match.device_slots + new
+            now = self.tick(insert)
+            backup = choosers.choose_insert_backup(self.state, key, slots, now, rng,
+                                                   priority=priority, chunked=chunked)
+            result = self.apply("insert", ops.insert, key, slots, now, priority=priority,
+                                chunked=chunked, backup=backup)
+            assert isinstance(result, ops.InsertResult)
+            assert result.prefix_tokens == cached
+            self.apply("free", ops.free, tuple(s for s in new if s in self.state.held))
+        return match
 
     def apply(self, name: str, op: Callable[..., tuple[object, object]], *args: object,
               **kwargs: object) -> object:

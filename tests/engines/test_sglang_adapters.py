@@ -77,3 +77,11 @@ def test_a_trace_recorded_from_sglang_replays_clean(tmp_path: Path) -> None:
 def test_a_fixed_sglang_run_replays_clean() -> None:
     lines = drive(Scenario(page_size=1), "sglang")
     assert trace.replay(lines) == (len(lines) - 1, None)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_adopted_fields_are_adoptable_and_each_names_a_deviation(hierarchical: bool) -> None:
+    adapter = SglangAdapter(Scenario(page_size=1), hierarchical=hierarchical)
+    assert set(adapter.adopted) <= set(trace.ADOPTABLE)
+    assert all("DEV-" in why for why in adapter.adopted.values())
+    adapter.close()

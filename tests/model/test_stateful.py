@@ -114,30 +114,7 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
     def request(self, key: Key, dt: int, rng: random.Random, chunked: bool, priority: int,
                 keep_lock: bool) -> None:
         self.seen.append(key)
-        match = self.apply("match_prefix", ops.match_prefix, key, self.tick(dt))
-        assert isinstance(match, MatchResult)
-        if match.host_hit_tokens and match.last_host_page is not None:
-            self.load(match.last_host_page, None, rng)
-            match = self.apply("match_prefix", ops.match_prefix, key, self.tick(dt))
-            assert isinstance(match, MatchResult)
-        self.apply("inc_lock_ref", ops.inc_lock_ref, match.last_device_page)
-        cached = len(match.device_slots)
-        need = len(key.tokens) - cached
-        if need > len(self.state.device_free):
-            short = need - len(self.state.device_free)
-            self.apply("evict", ops.evict, short, choosers.choose_evict(self.state, short, rng))
-        if need <= len(self.state.device_free):
-            new = tuple(rng.sample(sorted(self.state.device_free), need))
-            self.apply("alloc", ops.alloc, key, cached, new)
-            slots = match.device_slots + new
-            now = self.tick(dt)
-            backup = choosers.choose_insert_backup(self.state, key, slots, now, rng,
-                                                   priority=priority, chunked=chunked)
-            result = self.apply("insert", ops.insert, key, slots, now, priority=priority,
-                                chunked=chunked, backup=backup)
-            assert isinstance(result, ops.InsertResult)
-            assert result.prefix_tokens == cached
-            self.apply("free", ops.free, tuple(s for s in new if s in self.state.held))
+        match = self.serve(key, rng, (dt, dt, dt), priority=priority, chunked=chunked)
         if keep_lock:
             self.caller_locks.append(match.last_device_page)
         else:
@@ -204,12 +181,6 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
         candidates = self.pages(lambda p: p.device is None)
         if candidates:
             self.load(data.draw(st.sampled_from(candidates)), quota, random.Random(seed))
-
-    def load(self, page: Key, quota: int | None, rng: random.Random) -> None:
-        victims, slots = choosers.choose_load(self.state, page, quota, rng)
-        loaded, _ = self.apply("init_load_back", ops.init_load_back, page, quota,  # type: ignore[misc]
-                               device_victims=victims, device_slots=slots)
-        RUNS["loads that copied"] += bool(loaded)
 
     @rule(go=st.integers(0, 9))
     def reset(self, go: int) -> None:

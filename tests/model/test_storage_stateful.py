@@ -220,28 +220,7 @@ class StorageMachine(Stepping, RuleBasedStateMachine):
 
     def compute(self, key: Key, rng: random.Random) -> None:
         """The rest of a request's life (spec/03, 3.17): load back, compute, insert."""
-        match = self.apply("match_prefix", ops.match_prefix, key, self.tick(1))
-        assert isinstance(match, MatchResult)
-        if match.host_hit_tokens and match.last_host_page is not None:
-            victims, slots = choosers.choose_load(self.state, match.last_host_page, None, rng)
-            self.apply("init_load_back", ops.init_load_back, match.last_host_page, None,
-                       device_victims=victims, device_slots=slots)
-            match = self.apply("match_prefix", ops.match_prefix, key, self.tick(0))
-            assert isinstance(match, MatchResult)
-        self.apply("inc_lock_ref", ops.inc_lock_ref, match.last_device_page)
-        cached = len(match.device_slots)
-        need = len(key.tokens) - cached
-        if need > len(self.state.device_free):
-            short = need - len(self.state.device_free)
-            self.apply("evict", ops.evict, short, choosers.choose_evict(self.state, short, rng))
-        if need <= len(self.state.device_free):
-            new = tuple(rng.sample(sorted(self.state.device_free), need))
-            self.apply("alloc", ops.alloc, key, cached, new)
-            slots = match.device_slots + new
-            now = self.tick(1)
-            backup = choosers.choose_insert_backup(self.state, key, slots, now, rng)
-            self.apply("insert", ops.insert, key, slots, now, backup=backup)
-            self.apply("free", ops.free, tuple(s for s in new if s in self.state.held))
+        match = self.serve(key, rng, (1, 0, 1))
         self.apply("dec_lock_ref", ops.dec_lock_ref, match.last_device_page)
 
     @precondition(lambda self: bool(self.waiting))

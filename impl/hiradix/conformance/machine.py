@@ -181,7 +181,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if evict_first and isinstance(engine, ControlledCopyEngine):
                 # Time passes: the backups in flight land, then the device fills up.
                 engine.complete("d2h", engine.queued("d2h"))
-                self.step("writing_check", ops.writing_check, self.cache.writing_check())
+                self.step("writing_check", ops.writing_check, self.acknowledge_writes())
             if evict_first:
                 self.evict_both(evict_first)
             self.serve(tokens, namespace, 1, False, 0, False, quota)
@@ -306,8 +306,12 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
         @precondition(lambda self: bool(self.cache.pending["d2h"]))
         @rule()
         def writing_check(self) -> None:
-            acked = self.cache.writing_check()
-            self.step("writing_check", ops.writing_check, acked)
+            self.step("writing_check", ops.writing_check, self.acknowledge_writes())
+
+        def acknowledge_writes(self) -> int:
+            """The implementation's writing_check; a subclass adds what follows an
+            acknowledgement (the storage machine: backup to storage, spec/09 S-R1)."""
+            return self.cache.writing_check()
 
         @precondition(lambda self: bool(self.cache.pending["h2d"]))
         @rule()

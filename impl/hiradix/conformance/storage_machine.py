@@ -121,28 +121,11 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             return any(p.io_running for p in self.tier.state.prefetches.values()) or any(
                 w.phase == "running" for w in self.tier.state.writes.values())
 
-        # -- overridden two-tier rules: S-R1 runs on every acknowledged host copy ------
+        # -- the two-tier rules' acknowledgement: S-R1 runs on every acknowledged copy ---
 
-        @precondition(lambda self: bool(self.cache.pending["d2h"]))
-        @rule()
-        def writing_check(self) -> None:
+        def acknowledge_writes(self) -> int:
             self.learn_tree()
-            acked = self.tier.writing_check()
-            self.step("writing_check", ops.writing_check, acked)
-
-        @precondition(lambda self: bool(self.seen))
-        @rule(index=st.integers(0, 63), evict_first=st.integers(0, 24),
-              quota=st.none() | st.integers(0, 24))
-        def request_again(self, index: int, evict_first: int, quota: int | None) -> None:
-            tokens, namespace = self.seen[index % len(self.seen)]
-            engine = self.cache.engine
-            if evict_first and isinstance(engine, ControlledCopyEngine):
-                engine.complete("d2h", engine.queued("d2h"))
-                self.learn_tree()
-                self.step("writing_check", ops.writing_check, self.tier.writing_check())
-            if evict_first:
-                self.evict_both(evict_first)
-            self.serve(tokens, namespace, 1, False, 0, False, quota)
+            return self.tier.writing_check()
 
         @rule(go=st.integers(0, 15))
         def reset(self, go: int) -> None:

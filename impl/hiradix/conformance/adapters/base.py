@@ -38,7 +38,6 @@ OPERATIONS = frozenset({
     "evict_host", "write_backup", "writing_check", "load_back", "loading_check", "reset",
 })
 
-ADOPTABLE = frozenset({"last_tick", "insert_tick", "hits", "host_protect"})
 
 
 class EngineAdapter(Protocol):
@@ -47,7 +46,7 @@ class EngineAdapter(Protocol):
     name: str
     config: Config  # the model configuration this engine instance realises
     operations: frozenset[str]  # a subset of OPERATIONS
-    adopted: Mapping[str, str]  # Page field -> why (a spec/07 DEV id); keys in ADOPTABLE
+    adopted: Mapping[str, str]  # Page field -> why (a spec/07 DEV id); keys in trace.ADOPTABLE
     mapped: Mapping[str, str]  # what observe() translates -> why
     avoid: Mapping[str, str]  # situations the suite steers clear of -> the known bug (DEV id)
 
