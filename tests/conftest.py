@@ -20,7 +20,10 @@ settings.load_profile(os.environ.get("HIRADIX_PROFILE", "dev"))
 
 
 def pytest_terminal_summary(terminalreporter):  # type: ignore[no-untyped-def]
-    from stats import RUNS, STORAGE_RUNS
+    from stats import RUNS, STORAGE_RUNS, SUMMARY
+
+    for line in SUMMARY:
+        terminalreporter.write_line(line)
 
     if STORAGE_RUNS:
         faults = ", ".join(f"{k[6:]}={v}" for k, v in sorted(STORAGE_RUNS.items())

@@ -12,6 +12,7 @@ from hiradix_model import Key, MatchResult, choosers, ops
 
 RUNS: Counter[str] = Counter()  # "examples", "steps", and one entry per rule
 STORAGE_RUNS: Counter[str] = Counter()  # the same for test_storage_stateful.py
+SUMMARY: list[str] = []  # further lines for the end of the run (impl storage machine)
 
 
 class Stepping:

@@ -12,6 +12,10 @@ from hypothesis.stateful import run_state_machine_as_test
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.storage_machine import make_storage_machine
 from hiradix.conformance.tally import Tally
+from hiradix.storage.hashing import page_hashes
+from hiradix_model import Key
+
+from stats import SUMMARY
 
 SCENARIOS = [
     Scenario(),
@@ -39,6 +43,31 @@ def test_the_runs_exercised_storage_and_faults() -> None:
                  "io_prefetch_query", "drain_storage_queues"):
         assert TALLY.ops[name] > 0, (name, dict(TALLY.ops))
     assert sum(FAULTS.values()) > 0
-    print(f"\nstorage conformance: {TALLY.examples} examples, {TALLY.steps} steps, "
-          f"{TALLY.checks} checks; faults injected {dict(sorted(FAULTS.items()))}; "
-          f"ops {dict(sorted(TALLY.ops.items()))}")
+    SUMMARY.append(f"impl storage conformance: {TALLY.examples} examples, {TALLY.steps} "
+                   f"steps, {TALLY.checks} checks; faults "
+                   f"{dict(sorted(FAULTS.items()))}; ops {dict(sorted(TALLY.ops.items()))}")
+
+
+TOKENS = (1, 2, 3, 1, 2, 3, 1, 2)
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "short", "raise"])
+def test_a_faulty_fetch_is_a_step_of_the_machine(fault: str) -> None:
+    """One round trip, driven by hand, whose fetch takes ``fault`` at its first page: the
+    machine reports it to the model as that fault and both agree afterwards (with
+    ``corrupt``, the page is discarded on both sides)."""
+    seen: Counter[str] = Counter()
+    machine = make_storage_machine(Scenario(), None, seen)()
+    machine.cycle(request="r0", index=0, evict=24, use_anchor=False, dt=0, run=True,
+                  fresh=(TOKENS, None), fetch_fault=(fault, 0))
+    machine.refines_the_model()
+    assert seen[f"fetch reported:{fault}"] == 1, dict(seen)
+    storage, identity = machine.model.storage, machine.tier.identity
+    assert storage is not None and identity is not None
+    first_page = Key(TOKENS[:2])
+    first_hash = page_hashes(list(TOKENS[:2]), 2, identity, None)[0]
+    kept = fault != "corrupt"  # a corrupt page is discarded, on both sides
+    assert (storage.sid(first_page) in storage.stored) is kept
+    assert machine.backend.inner.has_page(first_hash) is kept
+    assert machine.backend.metrics.corrupt == (not kept)
+    machine.teardown()

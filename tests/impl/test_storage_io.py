@@ -242,9 +242,19 @@ def test_corrupt_pages_end_the_prefetch_and_are_not_counted(stored: ControlledBa
     stored.inject("get", "ok", "corrupt")
     synchronous.submit_prefetch("r", NAMES, slots(1))
     synchronous.run_pending()
-    assert synchronous.drain_prefetch() == [PrefetchResult("r", PAGES, 1)]
+    assert synchronous.drain_prefetch() == [PrefetchResult("r", PAGES, 1, corrupt=True)]
     assert leading_equal(pool, 1)
     assert bool(pool.read(slots(1)[P:2 * P]).isnan().all())  # garbage, reported as no data
+    assert stored.exists(NAMES) == 1  # the damaged page was discarded (DEV-S11)
+
+
+def test_a_short_prefetch_is_not_reported_corrupt(stored: ControlledBackend,
+                                                  synchronous: StorageIO) -> None:
+    stored.inject("get", "ok", Fault("short", 0))  # the second batch returns nothing
+    synchronous.submit_prefetch("r", NAMES, slots(1))
+    synchronous.run_pending()
+    assert synchronous.drain_prefetch() == [PrefetchResult("r", PAGES, 1)]
+    assert stored.exists(NAMES) == PAGES
 
 
 def test_an_unexpected_error_still_gives_a_result_and_the_thread_lives_on(

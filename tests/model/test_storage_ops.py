@@ -419,12 +419,25 @@ def test_each_fetch_fault(fault: str) -> None:
     assert s.storage is not None and s.storage.release_queue == released
     if fault == "corrupt":
         assert 4 not in s.host_kv and 5 not in s.host_kv  # garbage, and never inserted
+        assert s.storage is not None
+        assert s.storage.sid(PAGES[2]) not in s.storage.stored  # discarded (DEV-S11)
+        assert s.storage.sid(PAGES[1]) in s.storage.stored
     s, done = ok(s, ops.check_prefetch_progress, "r", 3)
     assert done
     assert set(s.pages) == set(PAGES[: 1 + count])
     assert all(s.pages[k].device is None and s.pages[k].host for k in PAGES[: 1 + count])
     s = drained(s)
     assert len(s.host_free) == 12 - 2 * (1 + count)
+
+
+def test_a_page_storage_lacks_cannot_arrive_corrupt() -> None:
+    s = prefetch(stored_then_forgotten())
+    s, _ = ok(s, ops.io_prefetch_query, "r", 3)
+    s, _ = ok(s, ops.io_prefetch_fetch, "r", 1)
+    s, _ = ok(s, ops.clear_storage)
+    rejected(IllegalChoice, s, ops.io_prefetch_fetch, "r", 0, fault="corrupt")
+    s, _ = ok(s, ops.io_prefetch_fetch, "r", 0, fault="short")  # a miss instead
+    assert only(s).phase == "stopped"
 
 
 @pytest.mark.parametrize(("count", "fault"), [

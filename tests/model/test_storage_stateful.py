@@ -286,8 +286,12 @@ class StorageMachine(Stepping, RuleBasedStateMachine):
                 fault = "short"
         elif fault in ("raise", "slow"):
             count = 0
+        elif fault == "corrupt" and available == 0:
+            fault, count = "short", 0  # nothing stored to be damaged: a miss
         else:
-            count = data.draw(st.integers(0, min(available, remaining - 1)))
+            # A corrupt page is one the backend holds, so it is within what is stored.
+            most = available - 1 if fault == "corrupt" else available
+            count = data.draw(st.integers(0, min(most, remaining - 1)))
         if fault is not None:
             self.fault(f"fetch {fault}")
         if available < remaining:  # a page past what storage holds can never arrive

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hiradix.checker import failures
+from hiradix.conformance import machine
 from hiradix.conformance.abstraction import abstract
 from hiradix.conformance.machine import describe_difference, make_machine, to_key
 from hiradix.conformance.scenario import Scenario
@@ -39,10 +40,7 @@ from hiradix_model import Key, State, ops, violations
 REQUESTS = ("r0", "r1", "r2")
 FAULTS: dict[str, tuple[str, ...]] = {
     "exists": ("raise", "short"),
-    # Not "corrupt": the backend discards a page that fails verification (backend.py),
-    # while the model keeps it stored (9.5 has no step that forgets a stored page), so
-    # the states part at once. tests/impl/test_storage_tier.py covers corrupt fetches.
-    "get": ("raise", "short", "die"),
+    "get": ("raise", "short", "corrupt", "die"),
     "set": ("raise", "short", "die"),
 }
 settings_strategy = st.builds(
@@ -117,6 +115,18 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             tokens, namespace = self.seen[index % len(self.seen)]
             return RadixKey(tokens, namespace)
 
+        def stored_first(self, index: int) -> int:
+            """``index`` turned towards a seen key whose first page is in storage, if
+            there is one: round trips through storage need stored pages. It asks the
+            inner backend, which counts nothing and takes no injected fault."""
+            identity, size = self.tier.identity, self.cache.page_size
+            if identity is None:
+                return index
+            stored = [i for i, (tokens, namespace) in enumerate(self.seen)
+                      if len(tokens) >= size and self.backend.inner.has_page(
+                          page_hashes(list(tokens[:size]), size, identity, namespace)[0])]
+            return stored[index % len(stored)] if stored else index
+
         def io_pending(self) -> bool:
             return any(p.io_running for p in self.tier.state.prefetches.values()) or any(
                 w.phase == "running" for w in self.tier.state.writes.values())
@@ -173,11 +183,15 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             if go:
                 return
             kind = data.draw(st.sampled_from(FAULTS[operation]))
-            at_page = 0 if kind == "raise" else data.draw(st.integers(1 if kind == "die"
-                                                                      else 0, 3))
             if self.backend.queued_faults(operation) < 2:  # type: ignore[arg-type]
-                self.backend.inject(operation, Fault(kind, at_page))  # type: ignore[arg-type]
-                injected[f"{operation}:{kind}"] += 1
+                self.queue_fault(operation, kind, data.draw(st.integers(0, 3)))
+
+        def queue_fault(self, operation: str, kind: str, at_page: int) -> None:
+            """Queue ``kind`` at ``at_page`` (made legal: a raise is at page 0, a die
+            after at least one page) for the next ``operation`` batch call."""
+            at_page = 0 if kind == "raise" else max(at_page, 1 if kind == "die" else 0)
+            self.backend.inject(operation, Fault(kind, at_page))  # type: ignore[arg-type]
+            injected[f"{operation}:{kind}"] += 1
 
         @precondition(lambda self: self.tier.attached and bool(self.seen))
         @rule(index=st.integers(0, 63))
@@ -245,12 +259,22 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
 
         @precondition(lambda self: self.tier.attached and bool(self.seen))
         @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63),
-              evict=st.integers(0, 12), use_anchor=st.booleans(), dt=st.integers(0, 4),
-              run=st.booleans())
+              evict=st.integers(0, 24), use_anchor=st.booleans(), dt=st.integers(0, 4),
+              run=st.booleans(), fresh=st.none() | st.tuples(machine.tokens, machine.namespaces),
+              fetch_fault=st.none() | st.tuples(st.sampled_from(FAULTS["get"]),
+                                                st.integers(0, 2)))
         def cycle(self, request: str, index: int, evict: int, use_anchor: bool, dt: int,
-                  run: bool) -> None:
+                  run: bool, fresh: tuple[tuple[int, ...], str | None] | None,
+                  fetch_fault: tuple[str, int] | None) -> None:
             """A request's round trip through storage: its pages are stored, leave the
-            cache, are prefetched back and the prefetch is polled (each step checked)."""
+            cache, are prefetched back and the prefetch is polled (each step checked).
+            ``fresh``: a new request is served first and is the one that goes round.
+            ``fetch_fault`` goes to this round trip's fetch, where fetches are most
+            common (a fault queued by ``inject`` may be taken by any later call)."""
+            if fresh is not None:
+                self.request(*fresh, dt=0, chunked=False, priority=0, keep_lock=False,
+                             quota=None)
+                self.refines_the_model()
             self.store()
             self.refines_the_model()
             self.drain()  # the acks release the written pages' protection
@@ -259,8 +283,11 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 self.evict_both(evict)
                 self.evict_host(evict)
                 self.refines_the_model()
-            self.prefetch(request, index, use_anchor, 0)
+            self.prefetch(request, len(self.seen) - 1 if fresh is not None
+                          else self.stored_first(index), use_anchor, 0)
             self.refines_the_model()
+            if fetch_fault is not None and not self.backend.queued_faults("get"):
+                self.queue_fault("get", *fetch_fault)
             if run and self.io_pending():
                 self.run_io()
                 self.refines_the_model()
@@ -287,10 +314,11 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 if revoked:
                     continue
                 landed, hit = result.pages_done, result.pages_hit
-                fault = None if landed == hit else (
+                fault = None if landed == hit else "corrupt" if result.corrupt else (
                     "raise" if result.error is not None and landed == 0 else "short")
                 self.sstep("io_prefetch_fetch", ops.io_prefetch_fetch, live.request, landed,
                            fault=fault)
+                injected[f"fetch reported:{fault or 'none'}"] += 1
             for backup in backed_up:
                 write = self.tier.state.writes[backup.op_id]  # type: ignore[index]
                 remaining = len(write.pages)
@@ -299,6 +327,7 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                     else "short")
                 self.sstep("io_storage_write", ops.io_storage_write, backup.pages_done,
                            fault=fault)
+                injected[f"write reported:{fault or 'none'}"] += 1
             self.tier.accept(prefetched, backed_up)
 
         @precondition(lambda self: self.tier.attached and bool(self.tier.state.prefetches))

@@ -7,7 +7,7 @@
 - ``config``: the configuration, from JSON, TOML or YAML.
 """
 
-from hiradix.storage.backend import PageRead, StorageBackend, StorageMetrics, checksum
+from hiradix.storage.backend import Fetched, PageRead, StorageBackend, StorageMetrics, checksum
 from hiradix.storage.config import (
     StorageConfig,
     config_from_mapping,
@@ -28,6 +28,7 @@ __all__ = [
     "ControlledBackend",
     "Fault",
     "FaultKind",
+    "Fetched",
     "FileBackend",
     "MemoryBackend",
     "PageIdentity",

@@ -85,6 +85,16 @@ class StorageMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class Fetched:
+    """What one ``fetch`` did: ``pages_done`` leading pages are in their host slots, and
+    ``corrupt`` says the page right after them failed verification and was discarded
+    (DEV-S11), so it is no longer stored."""
+
+    pages_done: int
+    corrupt: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class PageBatch:
     """A checked batch: its hashes, its host pool and its host slots (CPU, int64)."""
 
@@ -225,6 +235,11 @@ class StorageBackend(ABC):
             host_slots: torch.Tensor) -> int:
         """Read the leading stored, intact pages of ``hashes`` into ``host_slots``; return
         how many. Slots of pages past the count hold unspecified bytes."""
+        return self.fetch(hashes, host_pool, host_slots).pages_done
+
+    def fetch(self, hashes: Sequence[str], host_pool: HostKVPool,
+              host_slots: torch.Tensor) -> Fetched:
+        """``get``, also saying whether the run stopped at a corrupt page."""
         batch = check_batch(hashes, host_pool, host_slots, unique=True)
         return self._get(batch, self._ops("get"))
 
@@ -260,7 +275,7 @@ class StorageBackend(ABC):
             self._count(hits=run, misses=missed)
         return run
 
-    def _get(self, batch: PageBatch, ops: PageOps) -> int:
+    def _get(self, batch: PageBatch, ops: PageOps) -> Fetched:
         done = missed = corrupt = 0
         try:
             for index, page_hash in enumerate(batch.hashes):
@@ -282,7 +297,7 @@ class StorageBackend(ABC):
         finally:
             self._count(pages_prefetched=done, tokens_prefetched=done * batch.page_size,
                         misses=missed, corrupt=corrupt)
-        return done
+        return Fetched(done, corrupt=bool(corrupt))
 
     def _set(self, batch: PageBatch, ops: PageOps) -> int:
         done = written = 0

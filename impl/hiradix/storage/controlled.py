@@ -16,7 +16,7 @@ that operation takes the next one (none queued: the call passes straight through
   page is waiting), then goes on. ``hold_timeout_s`` is a safety net: a page still held
   after it fails with ``StorageError`` instead of hanging the test.
 
-A fault whose ``at_page`` is past its batch does nothing. After every ``get``, the host
+A fault whose ``at_page`` is past its batch does nothing. After every ``get`` (``fetch``), the host
 slots of the pages past the returned count are overwritten with NaN: they hold
 unspecified bytes by contract, and this makes a caller that reads them fail its tests.
 """
@@ -35,6 +35,7 @@ import torch
 from hiradix._slots import is_int
 from hiradix.host_pool import HostKVPool
 from hiradix.storage.backend import (
+    Fetched,
     PageBatch,
     PageOps,
     PageRead,
@@ -209,16 +210,16 @@ class ControlledBackend(StorageBackend):
     def clear(self) -> None:
         self.inner.clear()
 
-    def get(self, hashes: Sequence[str], host_pool: HostKVPool,
-            host_slots: torch.Tensor) -> int:
+    def fetch(self, hashes: Sequence[str], host_pool: HostKVPool,
+              host_slots: torch.Tensor) -> Fetched:
         batch = check_batch(hashes, host_pool, host_slots, unique=True)
         try:
-            done = self._get(batch, self._ops("get"))
+            fetched = self._get(batch, self._ops("get"))
         except StorageError as error:
             self._scribble(batch, error.pages_done)
             raise
-        self._scribble(batch, done)
-        return done
+        self._scribble(batch, fetched.pages_done)
+        return fetched
 
     @staticmethod
     def _scribble(batch: PageBatch, done: int) -> None:

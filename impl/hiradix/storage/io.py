@@ -36,13 +36,13 @@ import torch
 
 from hiradix._slots import is_int
 from hiradix.host_pool import HostKVPool
-from hiradix.storage.backend import StorageBackend, check_batch
+from hiradix.storage.backend import Fetched, StorageBackend, check_batch
 from hiradix.storage.errors import StorageArgumentError, StorageError
 
 OpId = int | str
 Kind = Literal["prefetch", "backup"]
 KINDS: tuple[Kind, ...] = ("prefetch", "backup")
-Mover = Callable[[Sequence[str], HostKVPool, torch.Tensor], int]
+Mover = Callable[[Sequence[str], HostKVPool, torch.Tensor], Fetched]
 Result = TypeVar("Result")
 
 
@@ -51,7 +51,9 @@ class PrefetchResult:
     """How a prefetch ended. ``pages_hit``: leading pages the hit query found (0 if it
     was not asked); ``pages_done``: leading pages now in their host slots; ``terminated``:
     ``terminate`` or ``shutdown`` cut it short; ``revoked``: fewer than ``min_pages`` hits,
-    nothing fetched; ``error``: the backend failed (after ``pages_done`` pages)."""
+    nothing fetched; ``error``: the backend failed (after ``pages_done`` pages);
+    ``corrupt``: the page after ``pages_done`` failed verification, and the backend
+    discarded it (DEV-S11)."""
 
     op_id: OpId
     pages_hit: int
@@ -59,6 +61,7 @@ class PrefetchResult:
     terminated: bool = False
     revoked: bool = False
     error: StorageError | None = None
+    corrupt: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,17 @@ class BackupResult:
     pages_done: int
     terminated: bool = False
     error: StorageError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """How a run of batches ended: leading pages done, whether a stop cut it short, the
+    error that ended it, and whether a corrupt page did."""
+
+    done: int
+    cut: bool = False
+    error: StorageError | None = None
+    corrupt: bool = False
 
 
 @dataclass
@@ -213,27 +227,30 @@ class StorageIO:
 
     # -- doing the work ------------------------------------------------------------------
 
-    def _transfer(self, op: _Op, limit: int, move: Mover
-                  ) -> tuple[int, bool, StorageError | None]:
-        """Move the first ``limit`` pages of ``op`` a batch at a time; return the leading
-        pages done, whether a stop cut it short, and the error that ended it, if any."""
+    def _transfer(self, op: _Op, limit: int, move: Mover) -> _Run:
+        """Move the first ``limit`` pages of ``op`` a batch at a time."""
         size = self.host_pool.page_size
         done = 0
         while done < limit:
             if op.stop.is_set():
-                return done, True, None
+                return _Run(done, cut=True)
             end = min(limit, done + self.batch_pages)
             try:
                 moved = move(op.hashes[done:end], self.host_pool,
                              op.slots[done * size:end * size])
             except StorageError as error:
                 self._progress(op, done + error.pages_done)
-                return done + error.pages_done, False, error
-            done += moved
+                return _Run(done + error.pages_done, error=error)
+            done += moved.pages_done
             self._progress(op, done)
             if done < end:  # a miss, a corrupt page or a short batch ends the run
-                break
-        return done, False, None
+                return _Run(done, corrupt=moved.corrupt)
+        return _Run(done)
+
+    def _store(self, hashes: Sequence[str], host_pool: HostKVPool,
+               host_slots: torch.Tensor) -> Fetched:
+        """A backup's batch, in a fetch's terms (a write is never corrupt)."""
+        return Fetched(self.backend.set(hashes, host_pool, host_slots))
 
     def _progress(self, op: _Op, done: int) -> None:
         with self._lock:
@@ -248,12 +265,13 @@ class StorageIO:
             return PrefetchResult(op.op_id, 0, 0, error=error)
         if hit < op.min_pages:
             return PrefetchResult(op.op_id, hit, 0, revoked=True)
-        done, cut, failure = self._transfer(op, hit, self.backend.get)
-        return PrefetchResult(op.op_id, hit, done, terminated=cut, error=failure)
+        run = self._transfer(op, hit, self.backend.fetch)
+        return PrefetchResult(op.op_id, hit, run.done, terminated=run.cut, error=run.error,
+                              corrupt=run.corrupt)
 
     def _backup(self, op: _Op) -> BackupResult:
-        done, cut, error = self._transfer(op, len(op.hashes), self.backend.set)
-        return BackupResult(op.op_id, done, terminated=cut, error=error)
+        run = self._transfer(op, len(op.hashes), self._store)
+        return BackupResult(op.op_id, run.done, terminated=run.cut, error=run.error)
 
     def _execute(self, op: _Op) -> None:
         """Do ``op`` and queue its result. Every submitted operation gets exactly one

@@ -19,7 +19,7 @@ from hiradix_model.keys import Key
 from hiradix_model.ops._draft import Draft, require
 from hiradix_model.ops.storage._common import give_up, put, require_request, storage_of, update
 from hiradix_model.state import State
-from hiradix_model.storage import Prefetch, WritePhase, stored_run
+from hiradix_model.storage import Prefetch, StorageId, WritePhase, stored_run
 
 # The faults a report may carry (spec/09, 9.5). The operations take them as plain str
 # (validated against these tuples), which CrossHair can generate.
@@ -94,7 +94,8 @@ def io_prefetch_fetch(
 
     Each landed page must be in storage now. When the last page lands, or the fetch
     ends by a fault other than slow or dead, the I/O releases the slots it will not
-    fill; a corrupt page's slots hold garbage and are among them. Returns ``landed``.
+    fill; a corrupt page's slots hold garbage and are among them, and the backend
+    forgets that page (it must be stored: an absent page is a miss). Returns ``landed``.
 
     pre: not check(state)
     post: not check(__return__[0]) and __return__[1] == landed
@@ -109,15 +110,20 @@ def io_prefetch_fetch(
     missing = [k for k in arriving if storage.sid(k) not in storage.stored]
     if missing:
         raise IllegalChoice(f"landed: {missing[0]} is not in storage; it cannot arrive")
+    total = prefetch.landed + landed
+    damaged = prefetch.pages[total] if fault == "corrupt" else None
+    if damaged is not None and storage.sid(damaged) not in storage.stored:
+        raise IllegalChoice(f"fault: {damaged} is not in storage, so it is a miss "
+                            f"('short'), not 'corrupt'")
     draft = Draft(state)
     for index, page in enumerate(arriving, start=prefetch.landed):
         content = storage.stored[storage.sid(page)]
         for slot, kv in zip(prefetch.slots[index * ps:(index + 1) * ps], content, strict=True):
             _write(draft.host_kv, slot, kv)
-    total = prefetch.landed + landed
-    if fault == "corrupt":
+    if damaged is not None:
         for slot in prefetch.slots[total * ps:(total + 1) * ps]:
             draft.host_kv.pop(slot, None)  # garbage: never inserted, released below
+        _discard(draft, storage.sid(damaged))
     grown = replace(prefetch, landed=total)
     put(draft, grown)
     if fault == "dead":
@@ -125,6 +131,15 @@ def io_prefetch_fetch(
     elif fault in ("raise", "short", "corrupt") or total == prefetch.hit_pages:
         put(draft, replace(give_up(draft, grown, total, "queue"), phase="stopped"))
     return draft.freeze(), landed
+
+
+def _discard(draft: Draft, page: StorageId) -> None:
+    """The backend forgets a page that failed verification (DEV-S11), so a later backup
+    can store it again."""
+    storage = storage_of(draft)
+    assert storage.backend is not None
+    kept = {sid: content for sid, content in storage.stored.items() if sid != page}
+    update(draft, stores={**storage.stores, storage.backend: kept})
 
 
 def _write(kv: dict[int, Key], slot: int, content: Key | None) -> None:
