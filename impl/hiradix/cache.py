@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +92,9 @@ class HiRadixCache:
         self.clock: Clock = clock or CountingClock()
         self.sync: RankSync = sync or LocalSync()
         self.recorder = recorder
+        # Called with each node a write_back eviction has just copied to host (one page,
+        # host copy complete), so a storage tier can back it up (spec/09, S-R1).
+        self.on_write_back: Callable[[TreeNode], None] | None = None
         self._threshold = backup_threshold(config.write_policy)
         self.reset()
 
@@ -455,9 +458,10 @@ class HiRadixCache:
         heap = self._heap(self.device_leaves)
         evicted = 0
         victims: list[DeviceVictim] = []
+        kept: set[TreeNode] = set()  # write_back victims neither copied nor droppable
         while evicted < target and heap:
             _, _, node = heapq.heappop(heap)
-            if node not in self.device_leaves:
+            if node not in self.device_leaves or node in kept:
                 continue
             parent = node.parent
             assert parent is not None
@@ -472,7 +476,11 @@ class HiRadixCache:
                     upper = split(node, len(node.tokens) - self.page_size, self.page_size)
                     self._refresh_around(upper)
                     parent = upper
-                victims.append(self._evict_write_back(node))
+                victim, moved = self._evict_write_back(node)
+                victims.append(victim)
+                if not moved:
+                    kept.add(node)
+                    continue
                 evicted += self.page_size
             if parent in self.device_leaves:
                 self._push(heap, parent)
@@ -500,15 +508,20 @@ class HiRadixCache:
         node.parent = None
         self._refresh(parent)
 
-    def _evict_write_back(self, node: TreeNode) -> DeviceVictim:
-        """Copy a one-page device leaf to host on its way out, or drop it if no room."""
+    def _evict_write_back(self, node: TreeNode) -> tuple[DeviceVictim, bool]:
+        """Copy a one-page device leaf to host on its way out, or drop it if no room; or,
+        if no room and its host-only subtree holds a protected copy, keep it on device
+        (spec/09, S-R5). Returns the victim and whether the device page was freed."""
         page = self._page_refs(node)[0]
         host_victims = self._make_host_room(self.page_size)
         host = self.host_pool.alloc(self.page_size)
         assert node.device is not None
         if host is None:
+            victim = DeviceVictim(page, tuple(host_victims), None)
+            if self._protected_below(node):
+                return victim, False
             self._drop_subtree(node)
-            return DeviceVictim(page, tuple(host_victims), None)
+            return victim, True
         # Eviction under write_back waits for its copy (SGLang blocks in writing_check),
         # so it copies directly rather than through the asynchronous engine.
         self.host_pool.copy_from_device(self.device_pool, node.device, host)
@@ -516,7 +529,20 @@ class HiRadixCache:
         self.device_pool.release(node.device)
         self._set_device(node, None)
         self._refresh_around(node)
-        return DeviceVictim(page, tuple(host_victims), tuple(host.tolist()))
+        if self.on_write_back is not None:
+            self.on_write_back(node)
+        return DeviceVictim(page, tuple(host_victims), tuple(host.tolist())), True
+
+    @staticmethod
+    def _protected_below(node: TreeNode) -> bool:
+        """Whether a node of ``node``'s subtree holds a host protection."""
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.host_ref:
+                return True
+            stack.extend(n.children.values())
+        return False
 
     def _drop_subtree(self, node: TreeNode) -> None:
         stack, doomed = [node], []

@@ -20,6 +20,7 @@ from stats import SUMMARY
 SCENARIOS = [
     Scenario(),
     Scenario(write_policy="write_through_selective", page_size=1, host_pages=10),
+    Scenario(write_policy="write_back", host_pages=6),
 ]
 FAULTS: Counter[str] = Counter()
 TALLY = Tally()

@@ -359,3 +359,34 @@ def test_threaded_io_backs_up_and_prefetches(tmp_path: Path) -> None:
     assert node.host is not None and torch.equal(second.host_pool.read(node.host), values)
     tier2.detach()
     tier2.check()
+
+
+def test_a_write_back_eviction_backs_the_page_up_to_storage() -> None:
+    """S-R1's second case: under write_back the host copy is made by the eviction, and
+    each page copied is written to storage; after detach the cache no longer calls back."""
+    backend = MemoryBackend()
+    cache, tier, _ = make(backend, write_policy="write_back")
+    slots = cache.device_pool.alloc(len(KEY.tokens))
+    assert slots is not None
+    values = torch.randn(cache.device_pool.value_shape(len(KEY.tokens)),
+                         generator=torch.Generator().manual_seed(3)).to(cache.device_pool.dtype)
+    cache.device_pool.write(slots, values)
+    cache.insert(KEY, slots)
+    assert not tier.state.writes  # write_back: no host copy yet, nothing to store
+    assert cache.evict(len(KEY.tokens)) == len(KEY.tokens)
+    assert len(tier.state.writes) == 4 and tier.metrics.write_pages_issued == 4
+    assert all(node.host_ref for node in cache.nodes())  # protected until acknowledged
+    settle(tier)
+    assert not tier.state.writes and not any(node.host_ref for node in cache.nodes())
+    assert tier.query_storage_hit_length(KEY) == len(KEY.tokens)
+    assert backend.metrics.pages_backed_up == 4
+    tier.check()
+    cache.check_invariants()
+    tier.detach()
+    assert cache.on_write_back is None
+    other = RadixKey((7, 7, 7, 7))
+    more = cache.device_pool.alloc(4)
+    assert more is not None
+    cache.insert(other, more)
+    cache.evict(4)
+    assert not tier.state.writes and backend.metrics.pages_backed_up == 4

@@ -248,6 +248,7 @@ class StorageTier:
         io = StorageIO(backend, self.cache.host_pool, threaded=threaded,
                        batch_pages=batch_pages)  # validates threaded and batch_pages
         self._attached = _Attachment(backend, io, identity, checked)
+        self.cache.on_write_back = self._backup_written_back
         return "attached"
 
     def detach(self) -> None:
@@ -268,6 +269,7 @@ class StorageTier:
         for write in list(self.state.writes.values()):
             self._release_write(write)
         assert not self.state.io_held, self.state.io_held
+        self.cache.on_write_back = None
         self._attached = None
 
     def clear(self) -> bool:
@@ -603,6 +605,12 @@ class StorageTier:
             end = len(prefix) // self.page_size
             self.backup_pages(PageRun(key, end - copy.tokens // self.page_size, end))
         return count
+
+    def _backup_written_back(self, node: TreeNode) -> None:
+        """S-R1 for the one page a write_back eviction just copied to host."""
+        prefix = node.prefix()
+        end = len(prefix) // self.page_size
+        self.backup_pages(PageRun(RadixKey(prefix, node.namespace), end - 1, end))
 
     def backup_pages(self, run: PageRun) -> bool:
         """S-R1 for ``run`` (pages with a complete host copy): write the ones the backend
