@@ -95,6 +95,9 @@ class HiRadixCache:
         # Called with each node a write_back eviction has just copied to host (one page,
         # host copy complete), so a storage tier can back it up (spec/09, S-R1).
         self.on_write_back: Callable[[TreeNode], None] | None = None
+        # Called first by reset, so a storage tier stops its I/O before the pools are
+        # reset under it and drops what it held of the old tree (spec/09, 9.4).
+        self.on_reset: Callable[[], None] | None = None
         self._threshold = backup_threshold(config.write_policy)
         self.reset()
 
@@ -102,6 +105,8 @@ class HiRadixCache:
 
     def reset(self) -> None:
         """Drop everything, including copies in flight and slots callers hold."""
+        if self.on_reset is not None:
+            self.on_reset()
         self.engine.reset()
         self.device_pool.reset()
         self.host_pool.reset()

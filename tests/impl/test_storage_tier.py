@@ -390,3 +390,53 @@ def test_a_write_back_eviction_backs_the_page_up_to_storage() -> None:
     cache.insert(other, more)
     cache.evict(4)
     assert not tier.state.writes and backend.metrics.pages_backed_up == 4
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_reset_with_storage_in_flight_stops_the_io_and_keeps_the_stored_pages(
+        threaded: bool) -> None:
+    """9.4 reset: a prefetch and a write in flight are dropped with the tree (neither
+    moves a page afterwards), the stored pages and the id counter stay, and the tier
+    works again on the new tree."""
+    backend = ControlledBackend(MemoryBackend())
+    cache, tier, _ = make(backend)
+    fill(cache, tier)
+    settle(tier)  # KEY is stored
+    other = RadixKey((5, 6, 5, 6))
+    if threaded:
+        tier.detach()
+        assert tier.attach(backend, "model-a", SETTINGS, threaded=True) == "attached"
+        backend.inject("set", "slow")  # the write waits at its first page
+    cache.evict(len(KEY.tokens))
+    cache.evict_host(len(KEY.tokens))
+    fill(cache, tier, other, seed=1)  # a write of ``other`` is in flight
+    assert tier.prefetch_from_storage("r", KEY) == len(KEY.tokens)
+    assert tier.state.prefetches and tier.state.writes
+    if threaded:
+        assert backend.wait_held(1)
+        backend.release()  # the held page goes on; reset then waits for the thread
+    next_id = tier.state.next_id
+    cache.reset()
+    assert not tier.state.prefetches and not tier.state.writes
+    assert not tier.state.release_queue and not tier.state.loaded_tokens
+    assert tier.state.next_id == next_id and tier.attached
+    assert free_host(cache) == cache.host_pool.num_slots
+    assert tier.query_storage_hit_length(KEY) == len(KEY.tokens)  # still stored
+    if not threaded:
+        assert tier.query_storage_hit_length(other) == 0  # its write never ran
+    tier.check()
+    cache.check_invariants()
+    io = tier.io
+    assert io is not None and not io.closed
+    if threaded:
+        assert all(thread.is_alive() for thread in io.threads)
+        tier.detach()
+        return
+    assert tier.prefetch_from_storage("r", KEY) == len(KEY.tokens)
+    assert io.run_pending() == 1
+    assert tier.check_prefetch_progress("r")
+    assert tier.pop_prefetch_loaded_tokens("r") == len(KEY.tokens)
+    assert cache.match_prefix(KEY).host_hit_length == len(KEY.tokens)
+    tier.drain_storage_queues()
+    tier.check()
+    cache.check_invariants()

@@ -10,8 +10,9 @@ the model step. After every step the abstraction of cache and tier (``abstractio
 the model, ``check_invariants`` and ``StorageTier.check`` on the implementation.
 
 Every write policy: under ``write_back`` the cache calls the tier back after each
-eviction's host copy (``on_write_back``), S-R1's second case. ``reset`` is not run with
-storage (the tier does not implement 9.4's reset).
+eviction's host copy (``on_write_back``), S-R1's second case. ``reset`` runs with
+storage attached and with prefetches and writes in flight (the cache calls the tier's
+``on_reset`` first, 9.4).
 """
 
 from __future__ import annotations
@@ -146,10 +147,6 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
         def load_both(self, node: TreeNode, quota: int | None) -> None:
             self.learn_tree()
             super().load_both(node, quota)
-
-        @rule(go=st.integers(0, 15))
-        def reset(self, go: int) -> None:
-            """Not with storage: the tier does not implement 9.4's reset."""
 
         # -- storage rules ------------------------------------------------------------
 

@@ -195,6 +195,23 @@ class StorageTier:
         self.state = TierState()
         self._attached: _Attachment | None = None
         self.last_host_victims: list[tuple[str | None, tuple[int, ...]]] = []
+        cache.on_reset = self._on_reset
+
+    def _on_reset(self) -> None:
+        """9.4 ``reset``, the storage part (the cache calls it first). The I/O is stopped,
+        so no operation moves a page after this (its results are discarded with the tree)
+        and is restarted for the same backend; the attachment, the stored pages and the id
+        counter are kept, every prefetch, write and queue entry is dropped."""
+        attachment = self._attached
+        if attachment is not None:
+            old = attachment.io
+            old.shutdown()
+            old.drain_prefetch()
+            old.drain_backup()
+            attachment.io = StorageIO(attachment.backend, self.cache.host_pool,
+                                      threaded=old.threaded, batch_pages=old.batch_pages)
+        self.state = TierState(next_id=self.state.next_id)
+        self.last_host_victims = []
 
     # ------------------------------------------------------------------ attach
 
