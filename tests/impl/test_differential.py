@@ -125,3 +125,25 @@ def test_the_check_summary_covers_every_invariant() -> None:
     from hiradix.conformance.machine import EXERCISED
     from hiradix_model import INVARIANTS
     assert set(EXERCISED) == set(INVARIANTS)
+
+
+def test_a_load_infers_its_victims_with_the_anchor_locked() -> None:
+    """FIFO: the load's anchor (1,) is the oldest device leaf, but the load locks it while
+    it evicts, so the engine evicts the other leaf's node. The inference must rank the
+    victims against the leaves evictable then, or it finds no order and the model
+    rejects a legal eviction (a shrunk campaign failure, page size 4)."""
+    machine = make_differential(factory("ours", Scenario(page_size=1, eviction="fifo")))()
+    for tokens in [(1,), (1, 2)]:  # two nodes
+        machine.request(tokens=tokens, namespace=None, dt=1, chunked=False, priority=0,
+                        keep_lock=False)
+    machine.writing_check()
+    machine.evict(num_tokens=1)  # (1, 2) goes to host only; (1,) is the oldest leaf
+    machine.engine_refines_the_model()
+    machine.request(tokens=(3, 4, 5, 6, 7), namespace=None, dt=1, chunked=False,
+                    priority=0, keep_lock=False)
+    machine.writing_check()
+    assert not machine.model.device_free  # the load must evict
+    machine.load_back(index=0)  # (1, 2), anchored at (1,)
+    machine.engine_refines_the_model()
+    assert machine.model.pages[Key((1, 2))].device is not None
+    machine.teardown()

@@ -135,7 +135,11 @@ def make_differential(factory: Callable[[], EngineAdapter],
                 before = after
             # The load's target is the whole chain, whether or not room was found.
             shortfall = chain_tokens(self.model, page) - len(self.model.device_free)
-            victims = infer.device_victims(self.model, before, after, max(0, shortfall))
+            # The load evicts with its anchor's path locked (spec/03, init_load_back): a
+            # victim need only outrank the leaves evictable then, not the anchor itself.
+            anchor = deepest_on_device(self.model, page)
+            locked = self.model if anchor is None else ops.inc_lock_ref(self.model, anchor)[0]
+            victims = infer.device_victims(locked, before, after, max(0, shortfall))
             result = self.step("init_load_back", ops.init_load_back, page, None,
                                device_victims=victims, device_slots=slots)
             self.agree((loaded, last), result)
