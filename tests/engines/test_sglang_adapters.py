@@ -79,6 +79,44 @@ def test_a_fixed_sglang_run_replays_clean() -> None:
     assert trace.replay(lines) == (len(lines) - 1, None)
 
 
+def _survivors_of_a_tie(hierarchical: bool, tier: str) -> tuple[tuple[int, ...], ...]:
+    """Three leaves inserted at one tick (a tie in every rank), then one evicted from
+    ``tier``: the leaves still on that tier."""
+    adapter = SglangAdapter(Scenario(page_size=1, eviction="fifo"), hierarchical=hierarchical)
+    adapter.set_time(0)
+    for tokens in [(1,), (2,), (3,)]:
+        slots = adapter.alloc(1)
+        assert slots is not None
+        adapter.insert(Key(tokens), slots, priority=0, chunked=False)
+    if hierarchical:
+        adapter.writing_check()  # the backups' locks released
+    if tier == "host":
+        assert adapter.evict(3) == 3
+        assert adapter.evict_host(1) == 1
+    else:
+        assert adapter.evict(1) == 1
+    kept = tuple(sorted(tuple(node.key.token_ids) for node in adapter._nodes()
+                        if (node.host_value if tier == "host" else node.value) is not None))
+    adapter.close()
+    return kept
+
+
+@pytest.mark.parametrize("hierarchical, tier", [(False, "device"), (True, "device"),
+                                                (True, "host")])
+def test_a_tie_among_leaves_is_broken_the_same_way_in_every_run(hierarchical: bool,
+                                                                 tier: str) -> None:
+    """spec/07 DEV-20: SGLang keeps evictable leaves in a set hashed by object address;
+    the adapter orders it, so that an example replays (Hypothesis needs that to shrink).
+    Other objects are kept alive between runs so that the caches' addresses differ."""
+    ballast: list[object] = []
+    seen = set()
+    for run in range(30):
+        seen.add(_survivors_of_a_tie(hierarchical, tier))
+        ballast.append([object() for _ in range(7 * run)])
+    assert len(seen) == 1, f"one tie, {len(seen)} outcomes: {sorted(seen)}"
+    assert len(next(iter(seen))) == 2
+
+
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_adopted_fields_are_adoptable_and_each_names_a_deviation(hierarchical: bool) -> None:
     adapter = SglangAdapter(Scenario(page_size=1), hierarchical=hierarchical)

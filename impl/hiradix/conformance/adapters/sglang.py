@@ -2,7 +2,7 @@
 
 SGLang must be importable (``make sglang-env`` builds ``.venv-sglang``). Running its
 caches on a CPU-only machine takes, besides pools built by hand, four explicit steps
-(``_prepare``), none of which changes a cache decision:
+(``_prepare``), none of which changes a cache decision, and one per cache (DEV-20):
 
 1. ``time`` in ``radix_cache`` / ``hiradix_cache`` reads the suite's logical clock
    (``monotonic`` only; ``perf_counter`` stays real), so recency is deterministic (DEV-2).
@@ -11,6 +11,9 @@ caches on a CPU-only machine takes, besides pools built by hand, four explicit s
    CUDA only -- is given as a plain ``index_copy_`` per layer buffer.
 4. One process group (gloo, world size 1) and published ``ServerArgs``: HiRadixCache
    all-reduces its acknowledgement counts and reads its settings from the runtime context.
+5. Each cache's sets of evictable leaves become insertion-ordered (``_InsertionOrdered``):
+   SGLang heapifies them, so among tied leaves the victim would follow object addresses
+   and two runs of one example would evict differently (DEV-20).
 
 On CPU torch, SGLang's streams and events are no-ops: a copy is finished by the next
 check, so copies in flight are observed only between an operation and its check.
@@ -20,7 +23,7 @@ Only the ``layer_first`` host layout and MHA pools are adapted.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSet, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +58,32 @@ class _Run:
 def _on_path(page: Key, deeper: Key) -> bool:
     """Whether ``page`` lies on the root path of ``deeper``."""
     return page.namespace == deeper.namespace and deeper.tokens[:len(page.tokens)] == page.tokens
+
+
+class _InsertionOrdered(MutableSet[Any]):
+    """A set that iterates in insertion order: stands in for SGLang's evictable-leaf
+    sets so that a tie among leaves is broken the same way in every run (DEV-20)."""
+
+    def __init__(self, items: Iterable[Any] = ()) -> None:
+        self._items: dict[Any, None] = dict.fromkeys(items)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, value: Any) -> None:
+        self._items[value] = None
+
+    def discard(self, value: Any) -> None:
+        self._items.pop(value, None)
+
+    def clear(self) -> None:
+        self._items.clear()
 
 
 class LogicalTime:
@@ -139,6 +168,7 @@ class SglangAdapter:
             raise ValueError("scenario: the SGLang adapters take MHA pools with the "
                              "layer_first host layout only")
         self.env = _prepare()
+        self.env.clock.now = 0  # not the previous cache's last tick
         m = self.env.modules
         self.hierarchical = hierarchical
         self.name = "sglang" if hierarchical else "sglang-radix"
@@ -172,6 +202,10 @@ class SglangAdapter:
             self.cache = m["radix"].RadixCache(params)
             host_slots = 0
             self.operations = RADIX_OPS
+        self.cache.evictable_leaves = _InsertionOrdered(self.cache.evictable_leaves)
+        if hierarchical:
+            self.cache.evictable_host_leaves = _InsertionOrdered(
+                self.cache.evictable_host_leaves)
         self.config = Config(page_size=ps, device_slots=device_slots, host_slots=host_slots,
                              write_policy=scenario.write_policy if hierarchical
                              else "write_through",
