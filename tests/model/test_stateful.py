@@ -277,7 +277,10 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
                              device_slots=taken or (0,))
             return
         if mutation == "taken":
-            owned = [s for p in self.state.pages.values() for s in p.device or ()]
+            # Slots of pages that stay on device: a victim's slots are free for the load.
+            leaving = {v.page for v in victims}
+            owned = [s for k, p in self.state.pages.items() if k not in leaving
+                     for s in p.device or ()]
             if owned:
                 bad = (owned[0], *slots[1:])
                 self.rejects(IllegalChoice, ops.load_back, page, None,
