@@ -95,8 +95,9 @@ def _survivors_of_a_tie(hierarchical: bool, tier: str) -> tuple[tuple[int, ...],
         assert adapter.evict_host(1) == 1
     else:
         assert adapter.evict(1) == 1
-    kept = tuple(sorted(tuple(node.key.token_ids) for node in adapter._nodes()
-                        if (node.host_value if tier == "host" else node.value) is not None))
+    pages = adapter.observe(initial(adapter.config)).pages
+    kept = tuple(sorted(k.tokens for k, p in pages.items()
+                        if (p.host if tier == "host" else p.device) is not None))
     adapter.close()
     return kept
 

@@ -2,7 +2,8 @@
 
 SGLang must be importable (``make sglang-env`` builds ``.venv-sglang``). Running its
 caches on a CPU-only machine takes, besides pools built by hand, four explicit steps
-(``_prepare``), none of which changes a cache decision, and one per cache (DEV-20):
+(``_prepare``), none of which changes a cache decision, and a fifth per cache that fixes
+which of several tied leaves is evicted, a choice SGLang leaves to object addresses:
 
 1. ``time`` in ``radix_cache`` / ``hiradix_cache`` reads the suite's logical clock
    (``monotonic`` only; ``perf_counter`` stays real), so recency is deterministic (DEV-2).
