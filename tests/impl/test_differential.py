@@ -42,7 +42,7 @@ def test_ours_passes_the_differential_suite(scenario: Scenario) -> None:
 
 def test_unknown_engine_is_a_typed_error() -> None:
     with pytest.raises(ValueError, match="engine"):
-        factory("vllm", Scenario())
+        factory("lmcache", Scenario())
 
 
 def _state(pages: dict[Key, Page]) -> State:

@@ -44,6 +44,7 @@ class EngineAdapter(Protocol):
     """One engine cache under test, spoken to in the model's vocabulary."""
 
     name: str
+    version: str  # the engine package's installed version, as traces record it
     config: Config  # the model configuration this engine instance realises
     operations: frozenset[str]  # a subset of OPERATIONS
     adopted: Mapping[str, str]  # Page field -> why (a spec/07 DEV id); keys in trace.ADOPTABLE
@@ -103,6 +104,14 @@ class EngineAdapter(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds (threads, process groups)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot be driven here: its package is missing, its version is one no
+    adapter knows, or its API is not the one the adapter was written against. A usage
+    error -- ``hiradix check`` prints the one-line message and exits 2 -- never a
+    conformance failure. The message names the package, the version found or wanted,
+    and the command that sets the engine up."""
 
 
 def unsupported(adapter: EngineAdapter, operation: str) -> NotImplementedError:

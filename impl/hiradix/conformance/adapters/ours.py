@@ -9,7 +9,7 @@ the engine-generic suite and its choice inference are checked on ours too.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ ALL = frozenset({"match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "allo
 
 class OursAdapter:
     name = "ours"
+    version = "hiradix"
     operations = ALL
     adopted: Mapping[str, str] = {}
     mapped: Mapping[str, str] = {}
@@ -120,3 +121,17 @@ class OursAdapter:
 
     def close(self) -> None:
         pass
+
+
+def probe(engine: str) -> str:
+    """Ours is always here."""
+    return "hiradix"
+
+
+def factory(engine: str, scenario: Scenario) -> Callable[[], OursAdapter]:
+    return lambda: OursAdapter(scenario)
+
+
+def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
+    """Every scenario value: no axis is restricted."""
+    return {}

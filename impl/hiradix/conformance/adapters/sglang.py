@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hiradix.conformance.abstraction import decode_kv
-from hiradix.conformance.adapters.base import EngineAdapter
+from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable
 from hiradix.conformance.kv import patterns
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State, Transfer, ops
@@ -155,10 +155,35 @@ def _prepare() -> _Sglang:
     return env
 
 
+SETUP = "make sglang-env, then run .venv-sglang/bin/hiradix"
+VERSIONS = ("0.5.20",)  # HiRadixCache is gone from 0.5.22 on
+
+
+def probe(engine: str) -> str:
+    """The installed SGLang version, if this adapter can drive it (spec/07 7.1)."""
+    import importlib.metadata
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise EngineUnavailable(f"{engine}: sglang is not installed here ({SETUP})") from None
+    if version not in VERSIONS:
+        raise EngineUnavailable(f"{engine}: needs sglang {' or '.join(VERSIONS)} "
+                                f"(HiRadixCache), found {version} ({SETUP})")
+    try:
+        _prepare()
+    except (ImportError, AttributeError) as missing:
+        raise EngineUnavailable(f"{engine}: sglang {version} does not import as this "
+                                f"adapter expects: {missing} ({SETUP})") from missing
+    return version
+
+
 def available() -> bool:
-    """Whether SGLang 0.5.20 can be imported here (tests skip without it)."""
-    import importlib.util
-    return importlib.util.find_spec("sglang.srt") is not None
+    """Whether SGLang 0.5.20 can be driven here."""
+    try:
+        probe("sglang")
+    except EngineUnavailable:
+        return False
+    return True
 
 
 class SglangAdapter:
@@ -173,6 +198,7 @@ class SglangAdapter:
         m = self.env.modules
         self.hierarchical = hierarchical
         self.name = "sglang" if hierarchical else "sglang-radix"
+        self.version = probe(self.name)
         ps = self.ps = scenario.page_size
         device_slots = scenario.device_pages * ps
         self.kv = m["pool"].MHATokenToKVPool(device_slots, ps, DTYPE, HEADS, HEAD_DIM, LAYERS,
@@ -532,7 +558,7 @@ def factory(engine: str, scenario: Scenario) -> Callable[[], EngineAdapter]:
     return lambda: SglangAdapter(scenario, hierarchical)
 
 
-def scenario_space() -> dict[str, tuple[object, ...]]:
+def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
     """The scenario values the SGLang adapters take (the suite's CLI uses it)."""
     return {"host_layout": ("layer_first",), "kv_layout": ("mha",),
             "write_policy": ("write_through", "write_through_selective")}
