@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup check test pytest crosshair lint sglang-env check-sglang bench
+.PHONY: setup check test pytest crosshair lint sglang-env sglang23-env vllm-env check-sglang bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,23 +33,41 @@ lint: setup
 	$(BIN)/ruff check model impl tests
 	$(BIN)/mypy --strict model/hiradix_model
 
-# SGLang 0.5.20 beside hiradix, for `hiradix check --engine sglang` and `hiradix bench`.
-# --no-deps: sglang's own requirements pull a CUDA torch; these are what its caches import.
+# SGLang beside hiradix, for `hiradix check --engine sglang*` and `hiradix bench`: 0.5.20
+# (HiRadixCache and UnifiedRadixCache) in .venv-sglang, 0.5.23 (UnifiedRadixCache with its
+# Python and Rust tree cores) in .venv-sglang23. --no-deps: sglang's own requirements pull a
+# CUDA torch; these are what its caches import.
 SGL_VENV ?= .venv-sglang
 SGL_BIN := $(SGL_VENV)/bin
 SGL_DEPS := orjson psutil pybase64 requests packaging msgspec triton pillow starlette pyzmq \
 	tqdm pydantic aiohttp transformers==5.12.1 ipython dill compressed-tensors==0.18.0 gguf \
 	openai==2.6.1 partial_json_parser xgrammar==0.2.1 apache-tvm-ffi==0.1.11 sentencepiece
+SGL23_VENV ?= .venv-sglang23
+SGL23_BIN := $(SGL23_VENV)/bin
+SGL23_DEPS := orjson psutil pybase64 requests packaging msgspec triton pillow starlette pyzmq \
+	tqdm pydantic aiohttp transformers==5.19.0 ipython dill compressed-tensors==0.18.0 gguf \
+	openai==2.8.0 partial_json_parser xgrammar==0.2.7 apache-tvm-ffi==0.1.11 \
+	sentencepiece==0.2.1 xxhash
+
+# $(call engine_venv,VENV,DEPS,PIP SPEC,IMPORT CHECK)
+define engine_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q torch==2.13.0
+	$(1)/bin/pip install -q numpy $(2)
+	$(1)/bin/pip install -q --no-deps $(3)
+	$(1)/bin/pip install -q -e '.[test]'
+	$(1)/bin/python -c "import site; open(site.getsitepackages()[0] + '/hiradix-torchvision-standin.pth', 'w').write('$(CURDIR)/tests/sglang_env\\n')"
+	$(1)/bin/python -c "$(4)"
+	touch $(1)/.installed
+endef
 
 $(SGL_VENV)/.installed: pyproject.toml
-	test -x $(SGL_BIN)/python || $(PYTHON) -m venv $(SGL_VENV)
-	$(SGL_BIN)/python -c "import torch" 2>/dev/null || $(SGL_BIN)/pip install -q torch==2.13.0
-	$(SGL_BIN)/pip install -q numpy $(SGL_DEPS)
-	$(SGL_BIN)/pip install -q --no-deps sglang==0.5.20
-	$(SGL_BIN)/pip install -q -e '.[test]'
-	$(SGL_BIN)/python -c "import site; open(site.getsitepackages()[0] + '/hiradix-torchvision-standin.pth', 'w').write('$(CURDIR)/tests/sglang_env\\n')"
-	$(SGL_BIN)/python -c "import sglang.srt.mem_cache.hiradix_cache"
-	touch $@
+	$(call engine_venv,$(SGL_VENV),$(SGL_DEPS),sglang==0.5.20,import sglang.srt.mem_cache.hiradix_cache)
+
+$(SGL23_VENV)/.installed: pyproject.toml
+	$(call engine_venv,$(SGL23_VENV),$(SGL23_DEPS),sglang==0.5.23,import sglang.srt.mem_cache.unified_radix_cache)
+
+sglang23-env: $(SGL23_VENV)/.installed
 
 sglang-env: $(SGL_VENV)/.installed
 
