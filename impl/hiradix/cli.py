@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from hiradix.conformance.adapters import ENGINES, factory
+from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, probe, scenario_space
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, Tally, make_machine
 from hiradix.conformance.scenario import Scenario
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
-from hiradix_model import trace
+from hiradix_model import initial, trace
 
 DEFAULT_PAGE_SIZES = (1, 2, 4, 16)
 
@@ -39,11 +39,13 @@ DIFFERENTIAL_POLICIES = ("write_through", "write_through_selective")
 
 def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Sequence[str],
            engine: str, device: str) -> list[Scenario]:
-    """Every combination, in an order that varies every axis early."""
-    differential = engine not in COPY_ENGINES
-    layouts = ("layer_first",) if differential else ("layer_first", "page_first")
-    kinds = ("mha",) if differential else ("mha", "mla")
-    combos = list(itertools.product(page_sizes, policies, strategies, layouts, kinds))
+    """Every combination the engine takes, in an order that varies every axis early."""
+    space = {} if engine in COPY_ENGINES else scenario_space(engine)
+    layouts = space.get("host_layout", ("layer_first", "page_first"))
+    kinds = space.get("kv_layout", ("mha", "mla"))
+    combos = [c for c in itertools.product(page_sizes, policies, strategies, layouts, kinds)
+              if c[1] in space.get("write_policy", (c[1],))
+              and c[2] in space.get("eviction", (c[2],))]
     random.Random(0).shuffle(combos)
     copies = engine if engine in COPY_ENGINES else "controlled"
     return [Scenario(page_size=ps, write_policy=policy, eviction=strategy,  # type: ignore[arg-type]
@@ -129,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"(written to {args.reproducer})")
             if args.trace:
                 config = tally.last_config or scenario.model_config()
-                trace.write(args.trace, config, engine_label(args.engine), tally.last_trace)
+                trace.write(args.trace, config, engine_label(args.engine, args.version),
+                            tally.last_trace)
                 print(f"(trace of the shrunk example written to {args.trace}: "
                       f"`hiradix replay {args.trace}`)")
             return 1
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     summary(tally, covered, len(scenarios), time.monotonic() - started)
     if args.record:
         config = tally.last_config or scenarios[0].model_config()
-        trace.write(args.record, config, engine_label(args.engine), tally.last_trace)
+        trace.write(args.record, config, engine_label(args.engine, args.version), tally.last_trace)
         print(f"(trace of the last example written to {args.record}: "
               f"`hiradix replay {args.record}`)")
     return 0
@@ -183,8 +186,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     check.add_argument("--strategies", type=lambda v: v.split(","), default=list(STRATEGIES))
     check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES), default="controlled",
                        help="controlled / cuda: ours through the full conformance machine "
-                            "(copies finished in any order); ours / sglang-radix / sglang: "
-                            "an engine adapter through the differential suite")
+                            "(copies finished in any order); the others: an engine through "
+                            "its adapter and the differential suite (sglang: 0.5.20 "
+                            "HiRadixCache; sglang-unified[-rust]: UnifiedRadixCache on the "
+                            "Python [Rust] tree core; vllm[-offload]: vLLM's prefix cache "
+                            "[and CPU offload])")
     check.add_argument("--device", default="cpu")
     check.add_argument("--reproducer", default=None, help="write the reproducer script here")
     check.add_argument("--trace", default=None,
@@ -215,8 +221,85 @@ def replay(path: str) -> int:
     return 1
 
 
-def engine_label(engine: str) -> str:
-    return "hiradix" if engine in (*COPY_ENGINES, "ours") else f"{engine} 0.5.20"
+class UsageError(Exception):
+    """A command line that cannot be run as given: one line on stderr, exit 2."""
+
+
+def engine_label(engine: str, version: str) -> str:
+    """The engine as traces name it: ours, or the engine with its installed version."""
+    return "hiradix" if engine in (*COPY_ENGINES, "ours") else f"{engine} {version}"
+
+
+def _positive(name: str, values: Sequence[float]) -> None:
+    bad = [v for v in values if v <= 0]
+    if bad:
+        raise UsageError(f"{name}: must be positive, got {bad[0]}")
+
+
+def _known(name: str, given: Sequence[str], known: Sequence[str]) -> None:
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise UsageError(f"{name}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+
+
+def validated(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` for ``check``, with the engine's version and defaults filled in; a
+    ``UsageError`` for anything that cannot run, before any example starts."""
+    _positive("--page-sizes", args.page_sizes)
+    _positive("--seconds", [args.seconds])
+    _positive("--steps", [args.steps])
+    _positive("--batch", [args.batch])
+    if args.examples is not None:
+        _positive("--examples", [args.examples])
+    _known("--policies", args.policies, WRITE_POLICIES)
+    _known("--strategies", args.strategies, STRATEGIES)
+    if args.engine == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError("--engine cuda: this machine has no CUDA device "
+                             "(torch.cuda.is_available() is False)")
+        if args.device == "cpu":
+            args = replace_namespace(args, device="cuda")
+    version = "hiradix"
+    if args.engine not in COPY_ENGINES:
+        try:
+            version = probe(args.engine)
+        except EngineUnavailable as missing:
+            raise UsageError(str(missing)) from None
+        unsupported = sorted(set(args.policies) - set(DIFFERENTIAL_POLICIES))
+        if unsupported:
+            if args.policies != list(WRITE_POLICIES):
+                raise UsageError(f"--policies: the differential suite covers "
+                                 f"{', '.join(DIFFERENTIAL_POLICIES)}, not "
+                                 f"{', '.join(unsupported)}")
+            args = replace_namespace(args, policies=list(DIFFERENTIAL_POLICIES))
+        if args.page_sizes == list(DEFAULT_PAGE_SIZES):
+            # Requests are up to 14 tokens: page size 16 would cache nothing.
+            args = replace_namespace(args, page_sizes=[1, 2, 4])
+    args = replace_namespace(args, version=version)
+    scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
+                       args.device)
+    if not scenarios:
+        raise UsageError(f"--engine {args.engine}: takes none of the configurations asked "
+                         f"for ({scenario_space(args.engine)})")
+    if args.engine not in COPY_ENGINES:
+        smoke(args.engine, version, scenarios[0])
+    return args
+
+
+def smoke(engine: str, version: str, scenario: Scenario) -> None:
+    """Build one engine cache and read its empty state: an engine whose API is not the
+    one its adapter was written against fails here, as a usage error, rather than as a
+    conformance failure with a meaningless reproducer."""
+    try:
+        adapter = factory(engine, scenario)()
+        try:
+            adapter.observe(initial(adapter.config))
+        finally:
+            adapter.close()
+    except (ImportError, AttributeError, TypeError) as mismatch:
+        raise UsageError(f"--engine {engine}: {engine} {version} does not match its adapter's "
+                         f"API: {type(mismatch).__name__}: {mismatch}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,19 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from hiradix.conformance.bench import main as bench_main
         return bench_main(args)
-    if args.engine not in COPY_ENGINES:
-        unsupported = sorted(set(args.policies) - set(DIFFERENTIAL_POLICIES))
-        if unsupported:
-            if args.policies != list(WRITE_POLICIES):
-                print(f"--policies: the differential suite covers {DIFFERENTIAL_POLICIES}, "
-                      f"not {unsupported}", file=sys.stderr)
-                return 2
-            args = replace_namespace(args, policies=list(DIFFERENTIAL_POLICIES))
-        if args.page_sizes == list(DEFAULT_PAGE_SIZES):
-            # Requests are up to 14 tokens: page size 16 would cache nothing.
-            args = replace_namespace(args, page_sizes=[1, 2, 4])
-    if args.engine == "cuda" and args.device == "cpu":
-        args = replace_namespace(args, device="cuda")
+    try:
+        args = validated(args)
+    except UsageError as usage:
+        print(f"hiradix check: {usage}", file=sys.stderr)
+        return 2
     return run(args)
 
 

@@ -9,10 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("sglang.srt.mem_cache.hiradix_cache",
-                    reason="SGLang is not installed here (make sglang-env)")
-
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -23,7 +19,14 @@ from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Key, initial, trace
 
+from engine_env import require
 from fixed_runs import drive
+
+
+@pytest.fixture(autouse=True)
+def sglang_0_5_20() -> None:
+    """HiRadixCache and RadixCache of SGLang 0.5.20 (skip or fail: see conftest)."""
+    require("sglang")
 
 SCENARIOS = [Scenario(page_size=ps, write_policy=policy, eviction=strategy)  # type: ignore[arg-type]
              for ps, policy, strategy in [

@@ -29,7 +29,7 @@ What an adapter must say about itself:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 from hiradix_model import Config, Key, State, ops
 
@@ -111,7 +111,14 @@ class EngineUnavailable(Exception):
     adapter knows, or its API is not the one the adapter was written against. A usage
     error -- ``hiradix check`` prints the one-line message and exits 2 -- never a
     conformance failure. The message names the package, the version found or wanted,
-    and the command that sets the engine up."""
+    and the command that sets the engine up. ``kind`` says which: ``missing`` (the
+    package is not installed), ``version`` (installed, but not a version this adapter
+    drives) or ``api`` (the right version, but it does not import or construct as the
+    adapter expects: a broken environment)."""
+
+    def __init__(self, message: str, kind: Literal["missing", "version", "api"] = "api") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def unsupported(adapter: EngineAdapter, operation: str) -> NotImplementedError:

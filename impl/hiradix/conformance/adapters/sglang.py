@@ -165,10 +165,11 @@ def probe(engine: str) -> str:
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
-        raise EngineUnavailable(f"{engine}: sglang is not installed here ({SETUP})") from None
+        raise EngineUnavailable(f"{engine}: sglang is not installed here ({SETUP})",
+                                "missing") from None
     if version not in VERSIONS:
         raise EngineUnavailable(f"{engine}: needs sglang {' or '.join(VERSIONS)} "
-                                f"(HiRadixCache), found {version} ({SETUP})")
+                                f"(HiRadixCache), found {version} ({SETUP})", "version")
     try:
         _prepare()
     except (ImportError, AttributeError) as missing:
