@@ -25,6 +25,7 @@ from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, pr
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, Tally, make_machine
 from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.storage_machine import make_storage_machine
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
 from hiradix_model import initial, trace
 
@@ -37,25 +38,34 @@ COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance mach
 DIFFERENTIAL_POLICIES = ("write_through", "write_through_selective")
 
 
+STORAGE = (None, "memory", "file")  # ours: no tier, or a tier over this backend
+
+
 def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Sequence[str],
            engine: str, device: str) -> list[Scenario]:
     """Every combination the engine takes, in an order that varies every axis early."""
     space = {} if engine in COPY_ENGINES else scenario_space(engine)
     layouts = space.get("host_layout", ("layer_first", "page_first"))
     kinds = space.get("kv_layout", ("mha", "mla"))
-    combos = [c for c in itertools.product(page_sizes, policies, strategies, layouts, kinds)
+    # The storage tier is ours only: an engine's tier would need an adapter of its own.
+    tiers = STORAGE if engine in COPY_ENGINES else (None,)
+    combos = [c for c in itertools.product(page_sizes, policies, strategies, layouts, kinds,
+                                           tiers)
               if c[1] in space.get("write_policy", (c[1],))
               and c[2] in space.get("eviction", (c[2],))]
     random.Random(0).shuffle(combos)
     copies = engine if engine in COPY_ENGINES else "controlled"
     return [Scenario(page_size=ps, write_policy=policy, eviction=strategy,  # type: ignore[arg-type]
-                     host_layout=host, kv_layout=kv, engine=copies, device=device)  # type: ignore[arg-type]
-            for ps, policy, strategy, host, kv in combos]
+                     host_layout=host, kv_layout=kv, engine=copies, device=device,  # type: ignore[arg-type]
+                     storage=tier)  # type: ignore[arg-type]
+            for ps, policy, strategy, host, kv, tier in combos]
 
 
 def machine_for(engine: str, scenario: Scenario,
                 tally: Tally) -> type[RuleBasedStateMachine]:
     if engine in COPY_ENGINES:
+        if scenario.storage is not None:
+            return make_storage_machine(scenario, tally, tally.faults)
         return make_machine(scenario, tally)
     return make_differential(factory(engine, scenario), tally)
 
@@ -63,7 +73,12 @@ def machine_for(engine: str, scenario: Scenario,
 def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled") -> str:
     steps = [line.strip() for line in report
              if line.strip().startswith("state.") and "teardown" not in line]
-    if engine in COPY_ENGINES:
+    if engine in COPY_ENGINES and scenario.storage is not None:
+        header = ["from hiradix.conformance.scenario import Scenario",
+                  "from hiradix.conformance.storage_machine import make_storage_machine", "",
+                  f"Machine = make_storage_machine({scenario!r})", "state = Machine()",
+                  "state.refines_the_model()"]
+    elif engine in COPY_ENGINES:
         header = ["from hiradix.conformance.machine import make_machine",
                   "from hiradix.conformance.scenario import Scenario", "",
                   f"Machine = make_machine({scenario!r})", "state = Machine()",
@@ -160,15 +175,23 @@ def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) ->
         "eviction": sorted({s.eviction for s in covered}),
         "host layouts": sorted({s.host_layout for s in covered}),
         "kv layouts": sorted({s.kv_layout for s in covered}),
+        "storage": sorted({s.storage or "none" for s in covered}),
     }
     print(f"configurations: {len(covered)} of {total}")
     for axis, values in axes.items():
         print(f"  {axis}: {', '.join(map(str, values))}")
     print("operations: " + ", ".join(f"{k}={v}" for k, v in sorted(tally.ops.items())))
-    print(f"invariants: all {len(EXERCISED)} checked after each of the {tally.checks} rule steps "
-          "on the implementation and the model; steps in which each had something to check:")
+    injected = {k: v for k, v in sorted(tally.faults.items())
+                if ":" in k and not k.endswith(":untaken") and v}
+    if injected:
+        print("storage faults taken: " + ", ".join(f"{k}={v}" for k, v in injected.items()))
+    idle = [spec_id for spec_id in EXERCISED if not tally.exercised[spec_id]]
+    print(f"invariants: {len(EXERCISED) - len(idle)} of {len(EXERCISED)} exercised; every one "
+          f"is checked after each of the {tally.checks} rule steps on the implementation and "
+          "the model; steps in which each had something to check:")
     for spec_id in EXERCISED:
-        print(f"  {spec_id:<30} {tally.exercised[spec_id]}")
+        count = tally.exercised[spec_id]
+        print(f"  {spec_id:<30} {count if count else 'not exercised'}")
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -66,11 +66,22 @@ EXERCISED: dict[str, Callable[[State], bool]] = {
     "INV-NAMESPACE-ISOLATION": lambda s: len({k.namespace for k in s.pages}) > 1,
     "INV-CLOCK-MONOTONE": lambda s: bool(s.pages),
     "INV-HOST-PROTECT-HOLDERS": lambda s: any(p.host_protect for p in s.pages.values()),
-    # The storage tier's: something to check only once a backend is attached.
-    **{spec_id: (lambda s: s.storage is not None) for spec_id in (
-        "INV-PREFETCH-SLOT-OWNERSHIP", "INV-RELEASE-ONCE", "INV-STORAGE-WRITE-PROTECT",
-        "INV-STORAGE-INTEGRITY", "INV-PREFETCH-CONTIGUOUS", "INV-PREFETCH-INTEGRITY",
-        "INV-PREFETCH-ACCOUNTING", "INV-STORAGE-DETACHED-IDLE")},
+    # The storage tier's (spec/09): each has something to check only in the states its
+    # rule speaks of, not merely once a backend is attached.
+    "INV-PREFETCH-SLOT-OWNERSHIP": lambda s: s.storage is not None and (
+        any(p.slots for p in s.storage.prefetches) or bool(s.storage.release_queue)),
+    "INV-RELEASE-ONCE": lambda s: s.storage is not None and bool(s.storage.release_log),
+    "INV-STORAGE-WRITE-PROTECT": lambda s: s.storage is not None and any(
+        w.phase == "running" for w in s.storage.writes),
+    "INV-STORAGE-INTEGRITY": lambda s: s.storage is not None and bool(s.storage.stored),
+    "INV-PREFETCH-CONTIGUOUS": lambda s: s.storage is not None and any(
+        p.landed for p in s.storage.prefetches),
+    "INV-PREFETCH-INTEGRITY": lambda s: s.storage is not None and any(
+        p.landed for p in s.storage.prefetches),
+    "INV-PREFETCH-ACCOUNTING": lambda s: s.storage is not None and bool(
+        s.storage.prefetches),
+    "INV-STORAGE-DETACHED-IDLE": lambda s: s.storage is not None
+    and s.storage.backend is None,
 }
 
 

@@ -30,10 +30,14 @@ class Scenario:
     threshold_pages: int = 1  # load_back_threshold, in pages
     device: str = "cpu"
     engine: Literal["controlled", "cuda"] = "controlled"
+    # A storage tier (spec/09) over this backend, driven by the storage machine; None:
+    # the two-tier machine.
+    storage: Literal["memory", "file"] | None = None
 
     def slug(self) -> str:
+        tier = f"_storage-{self.storage}" if self.storage else ""
         return (f"p{self.page_size}_{self.write_policy}_{self.eviction}_{self.host_layout}_"
-                f"{self.kv_layout}_{self.engine}")
+                f"{self.kv_layout}_{self.engine}{tier}")
 
     def model_config(self) -> Config:
         return Config(page_size=self.page_size,

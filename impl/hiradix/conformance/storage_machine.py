@@ -18,6 +18,8 @@ storage attached and with prefetches and writes in flight (the cache calls the t
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 
@@ -33,6 +35,8 @@ from hiradix.conformance.storage_abstraction import abstract_storage, settings_o
 from hiradix.conformance.tally import Tally
 from hiradix.keys import RadixKey
 from hiradix.storage import ControlledBackend, Fault, MemoryBackend, StorageArgumentError
+from hiradix.storage.backend import StorageBackend
+from hiradix.storage.file import FileBackend
 from hiradix.storage.hashing import page_hashes
 from hiradix.storage.tier import StorageTier, TierSettings
 from hiradix.transfer import ControlledCopyEngine
@@ -67,7 +71,13 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
         def __init__(self) -> None:
             super().__init__()
             self.tier = StorageTier(self.cache)
-            self.backend = ControlledBackend(MemoryBackend(), name="mem")
+            # The file backend writes real files (atomic, checksummed) under a directory
+            # of this example's own, removed at teardown.
+            self.directory = (tempfile.mkdtemp(prefix="hiradix-check-")
+                              if scenario.storage == "file" else None)
+            inner: StorageBackend = (MemoryBackend() if self.directory is None
+                                     else FileBackend(self.directory))
+            self.backend = ControlledBackend(inner, name=scenario.storage or "memory")
             self.identity: tuple[str, ...] = ()
             self.settings: TierSettings | None = None
             self.names: dict[str, Key] = {}
@@ -81,6 +91,8 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 self.tier.metrics.prefetch_tokens_inserted
             injected["pages written to storage"] += self.backend.metrics.pages_backed_up
             super().teardown()
+            if self.directory is not None:
+                shutil.rmtree(self.directory)
 
         # -- plumbing -----------------------------------------------------------------
 
@@ -412,6 +424,9 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                                      + describe_difference(seen, self.model)
                                      + "\n" + describe_difference_storage(seen, self.model))
             self.counts.checks += 1
+            for spec_id, busy in machine.EXERCISED.items():
+                if busy(self.model):
+                    self.counts.exercised[spec_id] += 1
 
     StorageConformance.__name__ = f"StorageConformance_{scenario.slug()}"
     return StorageConformance

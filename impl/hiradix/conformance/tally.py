@@ -19,3 +19,4 @@ class Tally:
     exercised: Counter[str] = field(default_factory=Counter)  # steps where an ID had work
     last_trace: list[trace.Step] = field(default_factory=list)  # the latest example's steps
     last_config: Config | None = None  # the latest example's model configuration
+    faults: Counter[str] = field(default_factory=Counter)  # storage faults, by kind
