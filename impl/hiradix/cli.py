@@ -233,9 +233,20 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def replay(path: str) -> int:
-    """Apply a trace to the model; point at the first step that breaks or disagrees."""
-    with open(path) as handle:
-        applied, finding = trace.replay(handle)
+    """Apply a trace to the model; point at the first step that breaks or disagrees
+    (exit 1). A file that cannot be read as a trace is ``FILE:LINE: reason``, exit 2."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            applied, finding = trace.replay(handle)
+    except trace.TraceFormatError as broken:
+        print(f"{path}:{broken.line}: {broken.reason}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError:
+        print(f"{path}:0: not a text file (not UTF-8)", file=sys.stderr)
+        return 2
+    except OSError as unreadable:
+        print(f"{path}:0: {unreadable.strerror or unreadable}", file=sys.stderr)
+        return 2
     if finding is None:
         print(f"{path}: {applied} steps, all accepted by the model, every invariant held")
         return 0

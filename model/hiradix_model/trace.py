@@ -180,40 +180,78 @@ class Finding:
     problem: str
 
 
+class TraceFormatError(ValueError):
+    """The trace file itself is broken (spec/08): not JSON Lines of this format, or a
+    step the model cannot even read. ``line`` is 1-based; 0 for the file as a whole."""
+
+    def __init__(self, line: int, reason: str) -> None:
+        super().__init__(reason)
+        self.line = line
+        self.reason = reason
+
+
+def _record(number: int, line: str) -> dict[str, Json]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as broken:
+        raise TraceFormatError(number, f"not JSON ({broken.msg}, column {broken.colno})") \
+            from None
+    if not isinstance(record, dict):
+        raise TraceFormatError(number, f"a line must be a JSON object, got "
+                                       f"{type(record).__name__}")
+    return record
+
+
 def read(lines: Iterable[str]) -> tuple[Config, str, Iterator[tuple[int, Step]]]:
-    """The configuration, the engine name, and the steps (with their line numbers)."""
+    """The configuration, the engine name, and the steps (with their line numbers).
+    ``TraceFormatError`` for a broken header at once, for a broken step when reached."""
     numbered = ((n, line) for n, line in enumerate(lines, 1) if line.strip())
     first = next(numbered, None)
     if first is None:
-        raise ValueError("empty trace")
-    head = json.loads(first[1])
+        raise TraceFormatError(0, "empty trace: no header line")
+    head = _record(first[0], first[1])
     if head.get("format") != FORMAT:
-        raise ValueError(f"line 1: not a {FORMAT} trace header")
-    config = Config(**head["config"])
+        raise TraceFormatError(first[0], f"not a {FORMAT} trace header")
+    fields = head.get("config")
+    if not isinstance(fields, dict):
+        raise TraceFormatError(first[0], "the header has no config object")
+    try:
+        config = Config(**fields)
+    except (TypeError, ValueError) as bad:
+        raise TraceFormatError(first[0], f"invalid config: {bad}") from None
+    engine = head.get("engine", "unknown")
 
     def steps() -> Iterator[tuple[int, Step]]:
         for number, line in numbered:
-            record = json.loads(line)
-            yield number, Step(record["op"], record.get("args", {}), record.get("observed"))
+            record = _record(number, line)
+            op, args = record.get("op"), record.get("args", {})
+            if not isinstance(op, str):
+                raise TraceFormatError(number, "a step needs an \"op\" string")
+            if not isinstance(args, dict):
+                raise TraceFormatError(number, f"{op}: \"args\" must be an object")
+            yield number, Step(op, args, record.get("observed"))
 
-    return config, head.get("engine", "unknown"), steps()
+    return config, str(engine), steps()
 
 
 def replay(lines: Iterable[str]) -> tuple[int, Finding | None]:
-    """Apply a trace to the model; return the steps applied and the first finding."""
+    """Apply a trace to the model; return the steps applied and the first finding (a
+    step the model rejects, or that breaks an invariant, or whose observation differs).
+    A step the model cannot read is a ``TraceFormatError``, not a finding."""
     config, _, steps = read(lines)
     state = initial(config)
     applied = 0
     for number, step in steps:
         call = CALLS.get(step.op)
         if call is None:
-            return applied, Finding(number, step.op, f"unknown operation {step.op!r}")
+            raise TraceFormatError(number, f"unknown operation {step.op!r}")
         try:
             state, observation = call(state, step.args)
         except ModelError as rejected:
             return applied, Finding(number, step.op, f"rejected: {rejected}")
         except (KeyError, TypeError, ValueError) as malformed:
-            return applied, Finding(number, step.op, f"malformed arguments: {malformed!r}")
+            raise TraceFormatError(number, f"{step.op}: malformed arguments: "
+                                           f"{malformed!r}") from None
         applied += 1
         broken = violations(state)
         if broken:

@@ -4,6 +4,7 @@ never a conformance FAILED with a reproducer (issue #6, "failing loudly")."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +77,55 @@ def test_an_engine_whose_api_changed_is_a_usage_error(
 def test_traces_name_the_engine_with_its_installed_version() -> None:
     assert cli.engine_label("ours", "hiradix") == "hiradix"
     assert cli.engine_label("sglang-unified", "0.5.23") == "sglang-unified 0.5.23"
+
+
+GOOD_HEADER = ('{"format": "hiradix-trace/1", "engine": "hiradix", "config": {"page_size": 1, '
+               '"device_slots": 4, "host_slots": 4}}')
+BROKEN_TRACES = [
+    ("empty", b"", 0, "empty trace"),
+    ("blank lines only", b"\n\n", 0, "empty trace"),
+    ("binary", b"\x00\xff\xfe\x80garbage", 0, "not a text file"),
+    ("truncated header", GOOD_HEADER[:40].encode(), 1, "not JSON"),
+    ("header not an object", b"[1, 2]\n", 1, "must be a JSON object"),
+    ("wrong format", b'{"format": "other/2", "config": {}}\n', 1, "not a hiradix-trace/1"),
+    ("no config", b'{"format": "hiradix-trace/1"}\n', 1, "no config object"),
+    ("bad config", b'{"format": "hiradix-trace/1", "config": {"page_size": 0, '
+                   b'"device_slots": 4, "host_slots": 4}}\n', 1, "invalid config"),
+    ("unknown config field", b'{"format": "hiradix-trace/1", "config": {"pages": 1}}\n', 1,
+     "invalid config"),
+    ("truncated step", (GOOD_HEADER + '\n{"op": "evict", "args": {"num_tok').encode(), 2,
+     "not JSON"),
+    ("step not an object", (GOOD_HEADER + "\n42\n").encode(), 2, "must be a JSON object"),
+    ("step without op", (GOOD_HEADER + '\n{"args": {}}\n').encode(), 2, "needs an \"op\""),
+    ("args not an object", (GOOD_HEADER + '\n{"op": "evict", "args": [3]}\n').encode(), 2,
+     "\"args\" must be an object"),
+    ("unknown operation", (GOOD_HEADER + '\n{"op": "defrag", "args": {}}\n').encode(), 2,
+     "unknown operation 'defrag'"),
+    ("unknown argument", (GOOD_HEADER + '\n{"op": "evict", "args": {"tokens": 3}}\n').encode(),
+     2, "malformed arguments"),
+]
+
+
+@pytest.mark.parametrize(("content", "line", "reason"), [b[1:] for b in BROKEN_TRACES],
+                         ids=[b[0] for b in BROKEN_TRACES])
+def test_replay_of_a_broken_file_is_file_line_reason_and_exit_2(
+        tmp_path: Path, content: bytes, line: int, reason: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(content)
+    assert cli.main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{path}:{line}: ") and reason in err, err
+    assert err.count("\n") == 1
+
+
+def test_replay_of_a_missing_file_is_exit_2(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["replay", str(tmp_path / "absent.jsonl")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_replay_of_a_valid_trace_still_replays(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(GOOD_HEADER + '\n{"op": "evict", "args": {"num_tokens": 3, "victims": []}}\n')
+    assert cli.main(["replay", str(path)]) == 0
