@@ -17,9 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.reporting import with_reporter
-from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, probe, scenario_space
 from hiradix.conformance.differential import make_differential
@@ -112,8 +113,11 @@ def run(args: argparse.Namespace) -> int:
     tally = Tally()
     covered: set[Scenario] = set()
     started = time.monotonic()
+    # The example database pytest uses too (.hypothesis/examples under the working
+    # directory, by default): a failure found once by either replays first in both.
+    database = None if args.database == "none" else DirectoryBasedExampleDatabase(args.database)
     batch = settings(max_examples=args.batch, stateful_step_count=args.steps, deadline=None,
-                     database=None, suppress_health_check=list(HealthCheck),
+                     database=database, suppress_health_check=list(HealthCheck),
                      print_blob=False)
     for index in itertools.count():
         elapsed = time.monotonic() - started
@@ -125,8 +129,13 @@ def run(args: argparse.Namespace) -> int:
         report: list[str] = []
         try:
             with with_reporter(report.append):
-                run_state_machine_as_test(machine_for(args.engine, scenario, tally),
-                                          settings=batch)
+                test = get_state_machine_test(machine_for(args.engine, scenario, tally),
+                                              settings=batch)
+                if args.seed is not None:
+                    # Each batch its own seed, so that a seeded campaign replays exactly
+                    # (as far as its time budget reaches).
+                    test = seed(args.seed * 1_000_003 + index)(test)
+                test()
         except Exception as failure:  # the reporting boundary: every
             # failure of the machine (a disagreement, an invariant, an illegal choice, a
             # crash) is a finding to print with its reproducer, then exit 1.
@@ -215,6 +224,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "Python [Rust] tree core; vllm[-offload]: vLLM's prefix cache "
                             "[and CPU offload])")
     check.add_argument("--device", default="cpu")
+    check.add_argument("--seed", type=int, default=None,
+                       help="replay a campaign exactly: the same seed, the same examples")
+    check.add_argument("--database", default=".hypothesis/examples",
+                       help="Hypothesis's example database, shared with pytest (default "
+                            ".hypothesis/examples under the working directory; 'none': "
+                            "no database)")
     check.add_argument("--reproducer", default=None, help="write the reproducer script here")
     check.add_argument("--trace", default=None,
                        help="on a failure, write the shrunk example as a JSONL trace here")

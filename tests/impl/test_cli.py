@@ -129,3 +129,17 @@ def test_replay_of_a_valid_trace_still_replays(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     path.write_text(GOOD_HEADER + '\n{"op": "evict", "args": {"num_tokens": 3, "victims": []}}\n')
     assert cli.main(["replay", str(path)]) == 0
+
+
+def _campaign(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    assert cli.main(["check", "--examples", "12", "--steps", "20", "--database", "none",
+                     *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # Everything but the wall time: counts, configurations, operations, invariants.
+    return [lines[0].split(" in ")[0], *lines[1:]]
+
+
+def test_a_seeded_campaign_replays_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    first = _campaign(["--seed", "3"], capsys)
+    assert first == _campaign(["--seed", "3"], capsys)
+    assert first != _campaign(["--seed", "4"], capsys)
