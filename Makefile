@@ -19,8 +19,10 @@ setup: $(VENV)/.installed
 check: setup
 	$(BIN)/hiradix check
 
+# pytest under coverage.py: branch coverage of impl/ is reported after the tests.
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m coverage run -m pytest
+	$(BIN)/python -m coverage report --precision=1 | tail -n 30
 	$(MAKE) --no-print-directory crosshair lint
 
 pytest: setup
