@@ -23,6 +23,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, probe, scenario_space
+from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, Tally, make_machine
 from hiradix.conformance.scenario import Scenario
@@ -167,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary(tally, covered, len(scenarios), time.monotonic() - started)
+    missed = unreached(tally, covered)
+    if args.require_coverage and missed:
+        print(f"--require-coverage: never reached: {', '.join(missed)}")
+        return 1
     if args.record:
         config = tally.last_config or scenarios[0].model_config()
         trace.write(args.record, config, engine_label(args.engine, args.version), tally.last_trace)
@@ -201,6 +206,21 @@ def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) ->
     for spec_id in EXERCISED:
         count = tally.exercised[spec_id]
         print(f"  {spec_id:<30} {count if count else 'not exercised'}")
+    print("states reached (steps in each; coverage.py names them):")
+    for name in COVERAGE:
+        count = tally.states[name]
+        print(f"  {name:<34} {count if count else 'not reached'}")
+
+
+def unreached(tally: Tally, covered: set[Scenario]) -> list[str]:
+    """What the campaign never reached: invariants with nothing to check, and coverage
+    states (those of the storage tier only when a tier was in the matrix)."""
+    storage = any(s.storage for s in covered)
+    idle = [spec_id for spec_id in EXERCISED if not tally.exercised[spec_id]
+            and (storage or not spec_id.startswith(("INV-PREFETCH", "INV-STORAGE",
+                                                    "INV-RELEASE")))]
+    return idle + [name for name in COVERAGE if not tally.states[name]
+                   and (storage or name not in STORAGE_ONLY)]
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -224,6 +244,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "Python [Rust] tree core; vllm[-offload]: vLLM's prefix cache "
                             "[and CPU offload])")
     check.add_argument("--device", default="cpu")
+    check.add_argument("--require-coverage", action="store_true",
+                       help="fail (exit 1) if an invariant had nothing to check or a "
+                            "listed state was never reached")
     check.add_argument("--seed", type=int, default=None,
                        help="replay a campaign exactly: the same seed, the same examples")
     check.add_argument("--database", default=".hypothesis/examples",

@@ -29,6 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hiradix.checker import failures
 from hiradix.conformance import machine
 from hiradix.conformance.abstraction import abstract
+from hiradix.conformance.coverage import tally_states
 from hiradix.conformance.machine import describe_difference, make_machine, to_key
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.storage_abstraction import abstract_storage, settings_of
@@ -427,6 +428,7 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             for spec_id, busy in machine.EXERCISED.items():
                 if busy(self.model):
                     self.counts.exercised[spec_id] += 1
+            tally_states(self.counts.states, self.model)
 
     StorageConformance.__name__ = f"StorageConformance_{scenario.slug()}"
     return StorageConformance

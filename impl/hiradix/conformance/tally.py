@@ -20,3 +20,4 @@ class Tally:
     last_trace: list[trace.Step] = field(default_factory=list)  # the latest example's steps
     last_config: Config | None = None  # the latest example's model configuration
     faults: Counter[str] = field(default_factory=Counter)  # storage faults, by kind
+    states: Counter[str] = field(default_factory=Counter)  # steps per coverage.COVERAGE
