@@ -78,3 +78,30 @@ check-sglang: sglang-env
 
 bench: sglang-env
 	$(SGL_BIN)/hiradix bench
+
+# vLLM 0.33.0 beside hiradix, for `hiradix check --engine vllm` / `vllm-offload`: its
+# KVCacheManager and CPU OffloadingManager import on CPU without vllm._C. --no-deps for
+# vllm (its requirements pull a CUDA torch) and for xgrammar (it would pull triton); the
+# rest are exactly what vllm.v1.core.{block_pool,kv_cache_manager,kv_cache_utils} and
+# vllm.v1.kv_offload import, pinned where vllm pins them.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_DEPS := numpy packaging regex cachetools psutil py-cpuinfo requests pillow pyzmq msgspec \
+	cloudpickle pybase64 cbor2 uvloop urllib3 prometheus_client partial-json-parser \
+	'transformers>=5.16.1,<5.21.0' 'fastapi>=0.133.0,<0.137.0' 'aiohttp>=3.14.4' \
+	'openai>=2.25.0' openai-harmony 'pydantic>=2.12.0' 'llguidance>=1.7.0,<1.8.0' \
+	apache-tvm-ffi==0.1.11
+VLLM_IMPORTS := import vllm.v1.core.block_pool, vllm.v1.core.kv_cache_manager, \
+	vllm.v1.core.kv_cache_utils, vllm.v1.kv_offload.cpu.manager
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q --no-deps vllm==0.33.0
+	$(VLLM_BIN)/pip install -q $(VLLM_DEPS)
+	$(VLLM_BIN)/pip install -q --no-deps xgrammar==0.2.8
+	$(VLLM_BIN)/pip install -q -e '.[test]'
+	$(VLLM_BIN)/python -c "$(VLLM_IMPORTS)"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed

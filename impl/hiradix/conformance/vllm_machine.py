@@ -1,0 +1,186 @@
+"""The differential machine for vLLM's device cache (spec/10): the model beside
+``KVCacheManager``, one request at a time, as vLLM's scheduler drives it.
+
+The generic suite (``differential``) speaks ``EngineAdapter``: a cache with separate
+match, lock, alloc, insert and evict calls. vLLM has none of these as calls; a request
+does ``get_computed_blocks`` and ``allocate_slots`` (touch, lazy eviction, allocation and
+hash registration at once) and later ``free``. This machine issues exactly those and maps
+each onto the model's steps (DEV-V4, DEV-V5), infers the victims of the lazy eviction
+from the states before and after (``infer``), and after every rule compares the observed
+state with the model's and checks every invariant on both (``violations``), plus vLLM's
+free-block counter (INV-ACCOUNTING, ``counter_problems``).
+
+``hiradix check --engine vllm`` builds it with ``make_machine(engine, scenario, tally)``.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hiradix.conformance import infer
+from hiradix.conformance.adapters.vllm import VllmDevice, ceil_pages, factory, page_aligned
+from hiradix.conformance.differential import engine_values
+from hiradix.conformance.infer import left_device
+from hiradix.conformance.machine import EXERCISED, describe_difference
+from hiradix.conformance.recording import Recording
+from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.tally import Tally
+from hiradix_model import Key, State, initial, ops, trace, violations
+from hiradix_model.ops._draft import Draft
+from hiradix_model.ops.backup import backup_run
+from hiradix_model.ops.insert import insert_pages
+
+tokens = st.lists(st.integers(1, 3), min_size=1, max_size=14).map(tuple)
+namespaces = st.sampled_from([None, None, "b"])
+
+
+def make_machine(engine: str, scenario: Scenario,
+                 tally: Tally | None = None) -> type[RuleBasedStateMachine]:
+    """A state machine class driving a fresh vLLM device cache per example."""
+    if engine != "vllm":
+        raise ValueError(f"engine: the vLLM machine drives 'vllm', got {engine!r}")
+    build = factory(engine, scenario)
+    counts = tally if tally is not None else Tally()
+
+    class VllmDifferential(Recording, RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.engine: VllmDevice = build()
+            self.model = initial(self.engine.config)
+            self.adopted = frozenset(self.engine.adopted)
+            self.why = "; ".join(f"{k}: {v}" for k, v in self.engine.adopted.items())
+            self.now = 0
+            self.seen: list[Key] = []
+            self.trace: list[trace.Step] = []
+            self.counts = counts
+            self.engine_label = self.engine.name
+            counts.examples += 1
+            counts.last_trace = self.trace
+            counts.last_config = self.engine.config
+
+        def teardown(self) -> None:
+            self.engine.close()
+
+        def observe(self, adopt: bool = True) -> State:
+            """The engine's state; between operations the model first takes the adopted
+            fields (DEV-V2, DEV-V3), never between an engine call and its model steps."""
+            seen = self.engine.observe(self.model)
+            changes = engine_values(self.model, seen, self.adopted) if adopt else {}
+            if changes:
+                self.model = trace.adopt(self.model, changes)
+                self.trace.append(trace.adopt_step(changes, self.why))
+            return seen
+
+        def tick(self, dt: int) -> int:
+            self.now += dt
+            self.engine.set_time(self.now)
+            return self.now
+
+        # -- a request's life (spec/03 3.17 as vLLM's scheduler runs it) --------------
+
+        def serve(self, key: Key, dt: int, keep: bool) -> None:
+            ps = self.model.config.page_size
+            now = self.tick(dt)
+            request = self.engine.new_request(key)
+            hit, hit_tokens = self.engine.lookup(request)
+            # DEV-V4: the scheduler caps a hit at all but the last token (it needs logits).
+            want = self.step("match_prefix", ops.match_prefix,
+                             Key(key.tokens[:-1], key.namespace), now)
+            assert isinstance(want, ops.MatchResult)
+            self.agree(ops.MatchResult(self.engine.hit_slots(hit), self.engine.last_page(hit),
+                                       None, 0), want)
+            locked = want.last_device_page
+            before = self.observe()
+            need = len(key.tokens) - hit_tokens
+            # What an allocation can take once the hit is referenced: free and evictable.
+            pinned = ops.inc_lock_ref(self.model, locked)[0]
+            room = len(pinned.device_free) + pinned.evictable_tokens
+            new = self.engine.schedule(request, key, hit, hit_tokens)
+            if new is None:
+                # vLLM found no room and changed nothing: neither does the model.
+                assert ceil_pages(need, ps) > room, "vLLM refused an allocation that fits"
+                return
+            # DEV-V5: allocate_slots = touch, lazy eviction, allocation, registration.
+            after = self.observe(adopt=False)
+            self.step("inc_lock_ref", ops.inc_lock_ref, locked)
+            shortfall = max(0, len(new) - len(self.model.device_free))
+            if shortfall or left_device(before, after):
+                victims = infer.device_victims(self.model, before, after, shortfall)
+                self.step("evict", ops.evict, shortfall, victims)
+            self.step("alloc", ops.alloc, key, hit_tokens, new)
+            slots = want.device_slots + new[:need]
+            draft = Draft(self.model)
+            _, due = insert_pages(draft, key, slots, now, 0, False)
+            report = infer.backup(self.model, before, after, backup_run(draft, due))
+            self.step("insert", ops.insert, key, slots, now, priority=0, chunked=False,
+                      backup=report)
+            full = len(key.tokens) // ps * ps
+            deepest = Key(key.tokens[:full], key.namespace) if full else None
+            if deepest != locked:  # the request now references its whole block table
+                self.step("inc_lock_ref", ops.inc_lock_ref, deepest)
+                self.step("dec_lock_ref", ops.dec_lock_ref, locked)
+            self.engine.running[request.request_id].lock_page = deepest
+            if not keep:
+                self.finish(request.request_id)
+
+        def finish(self, request_id: str) -> None:
+            running = self.engine.finish(request_id)
+            self.step("dec_lock_ref", ops.dec_lock_ref, running.lock_page)
+            if running.tail:
+                self.step("free", ops.free, running.tail)
+
+        # -- rules ---------------------------------------------------------------------
+
+        @rule(tokens=tokens, namespace=namespaces, dt=st.integers(0, 2), keep=st.booleans())
+        def request(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
+                    keep: bool) -> None:
+            if page_aligned(tokens, self.model.config.page_size):
+                tokens = (*tokens, 1)  # DEV-V1 steered around: never whole pages
+            key = Key(tokens, namespace)
+            self.serve(key, dt, keep)
+            self.seen.append(key)
+
+        @precondition(lambda self: bool(self.seen))
+        @rule(index=st.integers(0, 63), dt=st.integers(0, 2))
+        def request_again(self, index: int, dt: int) -> None:
+            self.serve(self.seen[index % len(self.seen)], dt, False)
+
+        @precondition(lambda self: bool(self.engine.running))
+        @rule(index=st.integers(0, 63))
+        def finish_one(self, index: int) -> None:
+            # No tick of its own: a release is stamped with the model's clock (DEV-V2).
+            running = sorted(self.engine.running, key=int)
+            self.finish(running[index % len(running)])
+
+        @rule(go=st.integers(0, 15))
+        def reset(self, go: int) -> None:
+            if go:
+                return
+            done = self.engine.reset()
+            # vLLM refuses while a request holds blocks; the model's reset has no such
+            # precondition, so the step is taken only when vLLM did it.
+            assert done == (not self.engine.running), f"reset_prefix_cache returned {done}"
+            if done:
+                self.step("reset", ops.reset)
+
+        # -- after every step ------------------------------------------------------------
+
+        @invariant()
+        def engine_refines_the_model(self) -> None:
+            seen = self.observe()
+            found = violations(self.model)
+            assert not found, f"the model broke its own invariants: {found}"
+            if seen != self.model:
+                raise AssertionError("vllm and the model disagree:\n"
+                                     + describe_difference(seen, self.model))
+            broken = violations(seen)
+            assert not broken, f"vllm breaks {broken}"
+            counter = self.engine.counter_problems(seen)
+            assert not counter, f"vllm breaks INV-ACCOUNTING: {counter}"
+            counts.checks += 1
+            for spec_id, busy in EXERCISED.items():
+                if busy(self.model):
+                    counts.exercised[spec_id] += 1
+
+    return VllmDifferential
