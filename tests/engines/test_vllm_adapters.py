@@ -1,0 +1,153 @@
+"""vLLM 0.33.0's KVCacheManager against the model (spec/10; skipped without vLLM).
+
+Run from the vLLM environment: ``make vllm-env``, then
+``HIRADIX_PROFILE=ci .venv-vllm/bin/python -m pytest -q -x tests/engines/test_vllm_adapters.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from hiradix.conformance.adapters import probe, scenario_space
+from hiradix.conformance.adapters.vllm import VllmDevice
+from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.tally import Tally
+from hiradix.conformance.vllm_machine import make_machine
+from hiradix_model import Key, initial, trace
+
+
+@pytest.fixture(autouse=True)
+def vllm_0_33_0() -> None:
+    """Skip where vLLM is not installed; where it is, it must be the one the adapter
+    drives (EngineUnavailable fails the test)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed here (make vllm-env)")
+    probe("vllm")
+
+
+SCENARIOS = [Scenario(page_size=2, eviction="lru"), Scenario(page_size=4, eviction="lru"),
+             Scenario(page_size=2, eviction="lru", device_pages=3)]
+
+
+def bounded() -> settings:
+    current = settings()
+    return settings(current, max_examples=max(1, current.max_examples // 10), deadline=None)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"p{s.page_size}d{s.device_pages}")
+def test_vllm_refines_the_model(scenario: Scenario) -> None:
+    tally = Tally()
+    run_state_machine_as_test(make_machine("vllm", scenario, tally), settings=bounded())
+    assert tally.ops["insert"] and tally.ops["free"], dict(tally.ops)
+
+
+def test_the_scenario_space_is_what_the_machine_takes() -> None:
+    space = scenario_space("vllm")
+    assert space["eviction"] == ("lru",) and 1 not in space["page_size"]
+    assert all("DEV-V" in why for why in VllmDevice.adopted.values())
+    assert set(VllmDevice.adopted) <= set(trace.ADOPTABLE)
+
+
+# -- a fixed run, and what breaks when a mapping is wrong ----------------------------------
+
+Machine = object
+
+
+def fixed_run(page_size: int = 2) -> Machine:
+    """Five blocks: two requests finished (two cached pages free to evict), a third kept
+    running that takes every uncached block."""
+    machine = make_machine("vllm", Scenario(page_size=page_size, device_pages=5))()
+    for tokens, keep in [((1, 2, 3), False), ((2, 2, 2), False), ((1, 1, 1, 1, 2), True)]:
+        machine.request(tokens=tokens, namespace=None, dt=1, keep=keep)
+        machine.engine_refines_the_model()
+    return machine
+
+
+def test_a_fixed_run_evicts_and_agrees() -> None:
+    machine = fixed_run()
+    machine.request(tokens=(3,), namespace="b", dt=1, keep=False)  # one block: evicts
+    machine.engine_refines_the_model()
+    assert machine.counts.ops["evict"] == 1
+    assert Key((1, 2)) not in machine.model.pages, "the least recently released page"
+    assert trace.replay([trace.header(machine.engine.config, "vllm"),
+                         *(s.to_json() for s in machine.trace)])[1] is None
+
+
+def _fails(machine: Machine, spoil: Callable[[VllmDevice], None], expected: str) -> None:
+    spoil(machine.engine)  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match=expected):
+        machine.engine_refines_the_model()  # type: ignore[attr-defined]
+
+
+def test_the_lock_mapping_can_fail() -> None:
+    """ref_cnt <-> lock: a reference nobody released shows as a lock the model lacks."""
+    def extra_ref(engine: VllmDevice) -> None:
+        engine.pool.touch([engine.pool.blocks[1]])
+    _fails(fixed_run(), extra_ref, "disagree")
+
+
+def test_the_hash_mapping_can_fail() -> None:
+    """block hash <-> page: a block registered under another page's hash holds the wrong
+    KV (INV-KV-INTEGRITY), or names a page no request hashed."""
+    def swap(engine: VllmDevice) -> None:
+        table = engine.pool.cached_block_hash_to_block
+        a, b = (table.get_one_block(k) for k in list(table._cache)[:2])
+        ha, hb = a.block_hash, b.block_hash
+        for block, new in ((a, hb), (b, ha)):
+            table.pop(block.block_hash, block.block_id)
+            block.reset_hash()
+            block.set_block_hash(new)
+            table.insert(new, block)
+    _fails(fixed_run(), swap, "disagree|INV-KV-INTEGRITY")
+
+
+def test_the_free_queue_mapping_can_fail() -> None:
+    """free queue <-> device_free + evictable: a block taken off the queue by hand is
+    owned by nobody (vLLM's counter disagrees, or the pool loses a slot)."""
+    def leak(engine: VllmDevice) -> None:
+        queue = engine.pool.free_block_queue
+        queue.remove(queue.get_all_free_blocks()[0])
+    _fails(fixed_run(), leak, "disagree|INV-DEVICE-POOL-CONSERVATION|INV-ACCOUNTING")
+
+
+def test_the_lru_mapping_can_fail() -> None:
+    """free-queue order <-> LRU rank (DEV-V2): a queue that evicts the most recently
+    released page first is an illegal victim for the model (spec/03 R1)."""
+    from hiradix_model.errors import IllegalChoice
+
+    machine = fixed_run()
+    queue = machine.engine.pool.free_block_queue  # type: ignore[attr-defined]
+    cached = [b for b in queue.get_all_free_blocks() if b.block_hash is not None]
+    assert len(cached) >= 2
+    queue.remove(cached[0])
+    queue.append(cached[0])  # the oldest release now goes last
+    queue.remove(cached[-1])
+    queue.prepend_n([cached[-1]])  # the newest goes first
+    with pytest.raises(IllegalChoice, match="but a leaf ranks"):
+        machine.request(tokens=(3,), namespace="b", dt=1, keep=False)  # type: ignore[attr-defined]
+
+
+def test_dev_v1_a_whole_cached_key_gets_a_duplicate_block() -> None:
+    """spec/10 DEV-V1, reproduced: a request whose page-aligned key is wholly cached
+    recomputes its last page (the hit stops one token short) into a new block, which vLLM
+    registers under the same hash. Two blocks then hold one page; the model has one copy
+    per page, so the machine steers clear of page-aligned keys. If this fails, vLLM now
+    de-duplicates: update DEV-V1 and drop the steering."""
+    engine = VllmDevice(Scenario(page_size=2, device_pages=4))
+    model = initial(engine.config)
+    for _ in range(2):
+        request = engine.new_request(Key((1, 2, 3, 4)))
+        hit, hit_tokens = engine.lookup(request)
+        assert engine.schedule(request, Key((1, 2, 3, 4)), hit, hit_tokens) is not None
+    assert hit_tokens == 2, "the second request hit all but its last page"
+    table = engine.pool.cached_block_hash_to_block
+    assert len(table._cache) == 2, "two pages"
+    shared = [b for b in engine.pool.blocks if b.block_hash is not None]
+    assert len(shared) == 3, "three blocks: the last page twice"
+    seen = engine.observe(model)
+    assert len(seen.pages) == 2 and len(seen.held) == 2, "the duplicate shows as held"
