@@ -51,10 +51,11 @@ def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Seque
     kinds = space.get("kv_layout", ("mha", "mla"))
     # The storage tier is ours only: an engine's tier would need an adapter of its own.
     tiers = STORAGE if engine in COPY_ENGINES else (None,)
+    axes = ("page_size", "write_policy", "eviction", "host_layout", "kv_layout", "storage")
     combos = [c for c in itertools.product(page_sizes, policies, strategies, layouts, kinds,
                                            tiers)
-              if c[1] in space.get("write_policy", (c[1],))
-              and c[2] in space.get("eviction", (c[2],))]
+              if all(value in space.get(axis, (value,))
+                     for axis, value in zip(axes, c, strict=True))]
     random.Random(0).shuffle(combos)
     copies = engine if engine in COPY_ENGINES else "controlled"
     return [Scenario(page_size=ps, write_policy=policy, eviction=strategy,  # type: ignore[arg-type]
