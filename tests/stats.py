@@ -48,13 +48,15 @@ class Stepping:
         self.apply("inc_lock_ref", ops.inc_lock_ref, match.last_device_page)
         cached = len(match.device_slots)
         need = len(key.tokens) - cached
-        if need > len(self.state.device_free):
-            short = need - len(self.state.device_free)
+        ps = self.state.config.page_size
+        whole = -(-need // ps) * ps  # an allocator hands out whole pages (spec/03, R7)
+        if whole > len(self.state.device_free):
+            short = whole - len(self.state.device_free)
             self.apply("evict", ops.evict, short, choosers.choose_evict(self.state, short, rng))
-        if need <= len(self.state.device_free):
-            new = tuple(rng.sample(sorted(self.state.device_free), need))
+        if whole <= len(self.state.device_free):
+            new = choosers.free_pages(self.state.device_free, need, rng, ps)
             self.apply("alloc", ops.alloc, key, cached, new)
-            slots = match.device_slots + new
+            slots = match.device_slots + new[:need]
             now = self.tick(insert)
             backup = choosers.choose_insert_backup(self.state, key, slots, now, rng,
                                                    priority=priority, chunked=chunked)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from hiradix_model.keys import Key, sort_key
-from hiradix_model.ops._draft import Draft, add_lock
+from hiradix_model.ops._draft import Draft, add_lock, page_fault
 from hiradix_model.ops._victims import (
     device_leaves,
     drop_device_copy,
@@ -35,8 +35,23 @@ def _lowest(draft: Draft, leaves: set[Key], rng: random.Random) -> Key:
     return rng.choice(ties)
 
 
-def _slots(pool: set[int], count: int, rng: random.Random) -> tuple[int, ...]:
-    return tuple(rng.sample(sorted(pool), count))
+def _slots(pool: set[int] | frozenset[int], count: int, rng: random.Random,
+           ps: int) -> tuple[int, ...]:
+    """``count`` slots (a multiple of ``ps``) as random free pages of ``pool``, each in
+    order: what a page allocator hands out (spec/03, R7)."""
+    pages = sorted(s // ps for s in pool if s % ps == 0 and all(
+        s + offset in pool for offset in range(ps)))
+    return tuple(page * ps + offset for page in rng.sample(pages, count // ps)
+                 for offset in range(ps))
+
+
+def free_pages(pool: set[int] | frozenset[int], count: int, rng: random.Random,
+               ps: int) -> tuple[int, ...]:
+    """Slots for ``count`` tokens as random whole free pages (the tail of the last one
+    unused), or () if too few pages are free."""
+    need = -(-count // ps) * ps
+    whole = sum(1 for s in pool if s % ps == 0 and all(s + o in pool for o in range(ps)))
+    return _slots(pool, need, rng, ps) if whole * ps >= need else ()
 
 
 def _host_room(draft: Draft, need: int, rng: random.Random) -> tuple[Key, ...]:
@@ -78,7 +93,8 @@ def _evict_one(draft: Draft, page: Key, rng: random.Random, kept: set[Key]) -> t
     if draft.config.write_policy != "write_back" or draft.page(page).host is not None:
         return Victim(page), drop_device_copy(draft, page)
     host_victims = _host_room(draft, draft.ps, rng)
-    slots = _slots(draft.host_free, draft.ps, rng) if len(draft.host_free) >= draft.ps else None
+    room = len(draft.host_free) >= draft.ps
+    slots = _slots(draft.host_free, draft.ps, rng, draft.ps) if room else None
     victim = Victim(page, host_victims, slots)
     return victim, _evict_write_back(draft, Victim(page, (), slots), "chooser", kept)
 
@@ -109,7 +125,7 @@ def _report_for(draft: Draft, run: tuple[Key, ...], rng: random.Random) -> Backu
     host_victims = _host_room(draft, need, rng)
     if len(draft.host_free) < need:
         return Backup(host_victims, None)
-    slots = _slots(draft.host_free, need, rng)
+    slots = _slots(draft.host_free, need, rng, draft.ps)
     apply_backup(draft, run, Backup((), slots), "chooser")  # the victims are gone already
     return Backup(host_victims, slots)
 
@@ -157,4 +173,39 @@ def choose_load(
             add_lock(draft, plan.anchor, -1)
     if len(draft.device_free) < plan.tokens:
         return victims, None
-    return victims, _slots(draft.device_free, plan.tokens, rng)
+    return victims, _slots(draft.device_free, plan.tokens, rng, draft.ps)
+
+
+# Caller slot layouts for the misuse rules of the state machines (spec/03, R7): each
+# rearranges whole pages handed out by an allocator into the slots of one insert.
+LAYOUTS = ("interleaved", "shifted", "reversed", "tail", "pages")
+
+
+def scramble(pages: tuple[int, ...], count: int, ps: int, how: str) -> tuple[int, ...]:
+    """``count`` of the slots ``pages`` (whole pages, in order, enough for ``count``)
+    laid out as ``how`` says: ``interleaved`` takes offset 0 of every page, then offset
+    1, ... ([0, 2, 1, 3]); ``shifted`` starts one slot into the first page; ``reversed``
+    reverses each page; ``tail`` puts the partial tail at the end of its page, not the start;
+    ``pages`` puts whole pages in reverse page order (legal at every page size). At page
+    size 1 every layout is legal."""
+    groups = [pages[i : i + ps] for i in range(0, len(pages), ps)]
+    if how == "interleaved":
+        laid = tuple(g[offset] for offset in range(ps) for g in groups)
+    elif how == "shifted":
+        laid = pages[1:] + pages[:1]
+    elif how == "reversed":
+        laid = tuple(s for g in groups for s in reversed(g))
+    elif how == "tail":
+        whole, tail = divmod(count, ps)
+        if tail and whole < len(groups):
+            return pages[: whole * ps] + groups[whole][ps - tail :]
+        laid = pages
+    elif how == "pages":
+        laid = tuple(s for g in reversed(groups) for s in g)
+    else:
+        raise ValueError(f"unknown layout {how!r}")
+    return laid[:count]
+
+
+__all__ = ["LAYOUTS", "choose_evict", "choose_evict_host", "choose_insert_backup", "choose_load",
+           "choose_write_backup", "free_pages", "page_fault", "scramble"]

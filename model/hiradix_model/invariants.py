@@ -53,6 +53,9 @@ def tree_well_formed(state: State) -> Iterator[str]:
         for tier, slots in (("device", page.device), ("host", page.host)):
             if slots is not None and (len(slots) != ps or len(set(slots)) != ps):
                 yield f"{key}: {tier} slots {slots} are not {ps} distinct slots"
+            elif slots is not None and (slots[0] % ps or any(
+                    s != slots[0] + offset for offset, s in enumerate(slots))):
+                yield f"{key}: {tier} slots {slots} are not one page's slots in order (R7)"
 
 
 @invariant("INV-RESIDENT")

@@ -32,7 +32,7 @@ def choose_prefetch(
     fit = min(len(pages), len(draft.host_free) // draft.ps)
     if fit == 0 or draft.ps * fit < state.storage.settings.prefetch_threshold:
         return victims, None
-    return victims, _slots(draft.host_free, draft.ps * fit, rng)
+    return victims, _slots(draft.host_free, draft.ps * fit, rng, draft.ps)
 
 
 def hits_available(state: State, request: str) -> int:

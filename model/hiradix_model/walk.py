@@ -84,14 +84,16 @@ class Walk:
         self.apply("inc_lock_ref", ops.inc_lock_ref, locked)
         cached = len(match.device_slots)
         need = len(key.tokens) - cached
-        if need > len(self.state.device_free):
-            shortfall = need - len(self.state.device_free)
+        ps = self.state.config.page_size
+        whole = -(-need // ps) * ps  # the allocator hands out whole pages (R7)
+        if whole > len(self.state.device_free):
+            shortfall = whole - len(self.state.device_free)
             victims = choosers.choose_evict(self.state, shortfall, self.rng)
             self.apply("evict", ops.evict, shortfall, victims)
-        if need <= len(self.state.device_free):
-            new = tuple(self.rng.sample(sorted(self.state.device_free), need))
+        if whole <= len(self.state.device_free):
+            new = choosers.free_pages(self.state.device_free, need, self.rng, ps)
             self.apply("alloc", ops.alloc, key, cached, new)
-            slots = match.device_slots + new
+            slots = match.device_slots + new[:need]
             now = self.tick()
             chunked = self.rng.random() < 0.2
             priority = self.rng.randint(0, 2)

@@ -55,10 +55,10 @@ def test_empty_key_matches_and_caches_nothing() -> None:
 
 def test_partial_tail_page_is_not_cached_and_its_slot_stays_with_the_caller() -> None:
     state = initial(config(page_size=2))
-    state, _ = ops.alloc(state, Key((1, 2, 3)), 0, (0, 1, 2))
+    state, _ = ops.alloc(state, Key((1, 2, 3)), 0, (0, 1, 2, 3))  # whole pages (R7)
     state, result = ops.insert(state, Key((1, 2, 3)), (0, 1, 2), 1, backup=Backup((), (0, 1)))
     assert set(state.pages) == {Key((1, 2))}
-    assert state.held == {2}
+    assert state.held == {2, 3}
     assert result.prefix_tokens == 0
 
 
@@ -269,3 +269,51 @@ def test_bad_arguments_name_the_argument() -> None:
     with pytest.raises(PreconditionError) as error:
         ops.load_back(state, Key((1,)), None)
     assert error.value.argument == "page"
+
+
+# -- spec/03, R7: slots move in whole pages, each in order (issue 16) --------------------
+
+def test_insert_refuses_slots_that_are_not_whole_pages_in_order() -> None:
+    state = initial(config(page_size=2))
+    key = Key((1, 2, 3, 4))
+    state, _ = ops.alloc(state, key, 0, (0, 2, 1, 3))  # pages 0 and 1; the KV scattered
+    for bad, position in (((0, 2, 1, 3), 1), ((1, 2, 3, 0), 0), ((1, 0, 3, 2), 0)):
+        with pytest.raises(PreconditionError) as caught:
+            ops.insert(state, key, bad, 1)
+        assert caught.value.argument == f"slots[{position}]"
+    state, _ = ops.alloc(state, Key((5, 6, 7)), 0, (4, 5, 6, 7))
+    with pytest.raises(PreconditionError) as caught:  # the partial tail must start its page
+        ops.insert(state, Key((5, 6, 7)), (4, 5, 7), 1)
+    assert caught.value.argument == "slots[2]"
+    state, _ = ops.insert(state, Key((5, 6, 7)), (4, 5, 6), 1, backup=Backup((), (0, 1)))
+    assert state.pages[Key((5, 6))].device == (4, 5) and state.held == {0, 1, 2, 3, 6, 7}
+
+
+def test_alloc_and_free_take_whole_pages() -> None:
+    state = initial(config(page_size=2))
+    for bad in ((0,), (0, 2), (1, 2)):
+        with pytest.raises(PreconditionError):
+            ops.alloc(state, Key((1, 2)), 0, bad)
+    state, _ = ops.alloc(state, Key((1, 2)), 0, (1, 0, 2, 3))
+    for bad in ((1, 0), (0,), (0, 1, 3, 2)):
+        with pytest.raises(PreconditionError):
+            ops.free(state, bad)
+    state, _ = ops.free(state, (2, 3, 0, 1))  # whole pages in any page order
+    assert state.held == set()
+
+
+def test_reported_slots_must_be_whole_pages_in_order() -> None:
+    state = initial(config(page_size=2, write_policy="write_through"))
+    state, _ = put(state, Key((1, 2)), 1)
+    (copy,) = state.pending
+    assert copy.dst[0] % 2 == 0 and copy.dst[1] == copy.dst[0] + 1
+    state, _ = ops.writing_check(state, 1)
+    state, _ = ops.evict(state, 2, (Victim(Key((1, 2))),))
+    _, slots = choosers.choose_load(state, Key((1, 2)), None, random.Random(0))
+    assert slots is not None
+    with pytest.raises(IllegalChoice, match=r"device_slots\[0\]"):
+        ops.load_back(state, Key((1, 2)), None, device_slots=slots[::-1])
+    fresh = initial(config(page_size=2, write_policy="write_through"))
+    fresh, _ = ops.alloc(fresh, Key((3, 4)), 0, (0, 1))
+    with pytest.raises(IllegalChoice, match=r"host_slots\[0\]"):
+        ops.insert(fresh, Key((3, 4)), (0, 1), 1, backup=Backup((), (3, 2)))

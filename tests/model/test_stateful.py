@@ -136,8 +136,9 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
 
     @rule(key=keys, seed=seeds)
     def hold(self, key: Key, seed: int) -> None:
-        count = min(len(key.tokens), len(self.state.device_free))
-        slots = tuple(random.Random(seed).sample(sorted(self.state.device_free), count))
+        ps = self.state.config.page_size
+        count = min(len(key.tokens), len(self.state.device_free)) // ps * ps
+        slots = choosers.free_pages(self.state.device_free, count, random.Random(seed), ps)
         self.apply("alloc", ops.alloc, key, 0, slots)
         self.holdings.append(slots)
 
@@ -237,11 +238,13 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
     @rule(key=keys, seed=seeds, mutation=st.sampled_from(["omit", "foreign", "fail", "extra"]))
     def illegal_backup_report(self, key: Key, seed: int, mutation: str) -> None:
         match = ops.match_prefix(self.state, key, self.now)[1]
-        new = tuple(sorted(self.state.device_free)[: len(key.tokens) - len(match.device_slots)])
-        if len(match.device_slots) + len(new) < len(key.tokens):
+        need = len(key.tokens) - len(match.device_slots)
+        new = choosers.free_pages(self.state.device_free, need, random.Random(seed),
+                                  self.state.config.page_size)
+        if len(new) < need:
             return
         state, _ = ops.alloc(self.state, key, len(match.device_slots), new)
-        slots = match.device_slots + new
+        slots = match.device_slots + new[:need]
         report = choosers.choose_insert_backup(state, key, slots, self.now,
                                                random.Random(seed))
         if report is None:
@@ -287,6 +290,31 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
                              device_victims=victims, device_slots=bad)
         elif mutation == "fail" and not victims:
             self.rejects(IllegalChoice, ops.load_back, page, None, device_slots=None)
+
+    @rule(key=keys, seed=seeds, how=st.sampled_from(choosers.LAYOUTS))
+    def scrambled_insert_slots(self, key: Key, seed: int, how: str) -> None:
+        """spec/03, R7: caller slots laid out other than whole pages in order are
+        refused, state unchanged; whole pages in any page order are cached (issue 16)."""
+        ps, rng = self.state.config.page_size, random.Random(seed)
+        if how == "tail" and ps > 1 and len(key.tokens) % ps == 0:
+            key = Key(key.tokens[:-1], key.namespace)  # so that there is a partial tail
+        count = len(key.tokens)
+        pages = choosers.free_pages(self.state.device_free, count, rng, ps)
+        if not count or len(pages) < count:
+            return
+        laid = choosers.scramble(pages, count, ps, how)
+        # The forward pass wrote position i's KV into laid[i]; the rest of the pages are
+        # the caller's, without KV.
+        self.apply("alloc", ops.alloc, key, 0, laid + tuple(s for s in pages if s not in laid))
+        now = self.tick(0)
+        if choosers.page_fault(laid, ps) is not None:
+            self.rejects(PreconditionError, ops.insert, key, laid, now)
+            RUNS[f"R7 slots refused (P={ps})"] += 1
+        else:
+            backup = choosers.choose_insert_backup(self.state, key, laid, now, rng)
+            self.apply("insert", ops.insert, key, laid, now, backup=backup)
+            RUNS[f"R7 slots accepted (P={ps})"] += 1
+        self.apply("free", ops.free, tuple(s for s in pages if s in self.state.held))
 
     @rule()
     def bad_arguments(self) -> None:

@@ -27,14 +27,18 @@ def recorded(seed: int = 0) -> list[str]:
                   rng.choice((None, "ns")))
         match = apply(ops.match_prefix, key, now)
         need = len(key.tokens) - len(match.device_slots)
-        if need > len(state.device_free):
-            short = need - len(state.device_free)
+        whole = -(-need // config.page_size) * config.page_size  # whole pages (R7)
+        if whole > len(state.device_free):
+            short = whole - len(state.device_free)
             apply(ops.evict, short, choosers.choose_evict(state, short, rng))
-        if need > len(state.device_free):
+            match = apply(ops.match_prefix, key, now)  # the eviction may have taken some
+            need = len(key.tokens) - len(match.device_slots)
+            whole = -(-need // config.page_size) * config.page_size
+        if whole > len(state.device_free):
             continue
-        new = tuple(sorted(state.device_free)[:need])
+        new = choosers.free_pages(state.device_free, need, rng, config.page_size)
         apply(ops.alloc, key, len(match.device_slots), new)
-        slots = match.device_slots + new
+        slots = match.device_slots + new[:need]
         backup = choosers.choose_insert_backup(state, key, slots, now, rng)
         apply(ops.insert, key, slots, now, backup=backup)
         apply(ops.free, tuple(s for s in new if s in state.held))
@@ -61,9 +65,11 @@ def test_a_wrong_observation_is_found_at_its_line() -> None:
 
 def test_an_illegal_choice_is_rejected_at_its_line() -> None:
     lines = recorded()
-    number = next(i for i, line in enumerate(lines) if '"op": "evict"' in line
-                  and '"victims": []' not in line)
-    record = json.loads(lines[number])
+    records = [json.loads(line) for line in lines]
+    number = next(i for i, r in enumerate(records) if r.get("op") == "evict"
+                  and r["args"]["victims"]  # dropping the last one stops short (R1)
+                  and 2 * (len(r["args"]["victims"]) - 1) < r["args"]["num_tokens"])
+    record = records[number]
     record["args"]["victims"] = record["args"]["victims"][:-1]  # stop short
     lines[number] = json.dumps(record)
     _, finding = trace.replay(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from hiradix_model.errors import PreconditionError
+from hiradix_model.errors import IllegalChoice, PreconditionError
 from hiradix_model.keys import Key, parent_page
 from hiradix_model.state import Page, State, Transfer
 
@@ -99,6 +99,51 @@ def require_slots(slots: Sequence[int], argument: str) -> None:
     require(isinstance(slots, tuple), argument, "must be a tuple of ints")
     require(all(isinstance(s, int) for s in slots), argument, "must hold only ints")
     require(len(set(slots)) == len(slots), argument, "holds a slot twice")
+
+
+def page_fault(slots: Sequence[int], ps: int) -> tuple[int, str] | None:
+    """spec/03, R7 (whole pages): the first position of ``slots`` where cutting it into
+    runs of ``ps`` (the last may be shorter) does not give one page's slots in order,
+    with the reason; None if every run is one page's first slots, in order."""
+    for start in range(0, len(slots), ps):
+        first = slots[start]
+        if first % ps:
+            return start, f"starts a page run at slot {first}, not at a page start"
+        for offset, slot in enumerate(slots[start : start + ps]):
+            if slot != first + offset:
+                return start + offset, (f"is slot {slot}, not {first + offset}: the run from "
+                                        f"position {start} is not one page's slots in order")
+    return None
+
+
+def require_whole_pages(slots: tuple[int, ...], ps: int, argument: str, *,
+                        full: bool = False) -> None:
+    """A caller's slots must be whole pages in order (R7); with ``full`` also a whole
+    number of pages (what an allocator hands out and takes back)."""
+    if full:
+        require(len(slots) % ps == 0, argument, f"{len(slots)} slots are not whole pages of {ps}")
+    fault = page_fault(slots, ps)
+    if fault is not None:
+        raise PreconditionError(f"{argument}[{fault[0]}]", f"{fault[1]} (R7)")
+
+
+def require_page_set(slots: tuple[int, ...], ps: int, argument: str) -> None:
+    """``slots`` are, as a set, whole pages (in any order: the order only says which slot
+    gets which position's KV). What an allocator hands out (R7)."""
+    taken = set(slots)
+    for slot in slots:
+        start = slot - slot % ps
+        missing = next((s for s in range(start, start + ps) if s not in taken), None)
+        require(missing is None, argument,
+                f"slot {slot} without slot {missing} of its page: not whole pages (R7)")
+
+
+def choose_whole_pages(slots: tuple[int, ...], ps: int, what: str) -> None:
+    """A reported choice of slots must be whole pages in order (R7): allocators hand out
+    pages, and the tree's copies and frees work on pages."""
+    fault = page_fault(slots, ps)
+    if fault is not None:
+        raise IllegalChoice(f"{what}[{fault[0]}]: {fault[1]} (R7)")
 
 
 def require_tick(draft: Draft, now: int) -> None:

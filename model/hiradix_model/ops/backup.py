@@ -9,7 +9,7 @@ from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key
 from hiradix_model.ops._ack import acknowledge
-from hiradix_model.ops._draft import Draft, add_lock, require, require_key
+from hiradix_model.ops._draft import Draft, add_lock, choose_whole_pages, require, require_key
 from hiradix_model.ops._victims import make_host_room
 from hiradix_model.state import State, Transfer, pending_count  # noqa: F401 (contracts)
 
@@ -70,6 +70,7 @@ def apply_backup(draft: Draft, run: Sequence[Key], report: Backup | None, what: 
         return False
     if len(slots) != need or len(set(slots)) != need or not set(slots) <= draft.host_free:
         raise IllegalChoice(f"{what}.host_slots: {slots} are not {need} distinct free host slots")
+    choose_whole_pages(slots, draft.ps, f"{what}.host_slots")
     draft.host_free.difference_update(slots)
     source: list[int] = []
     for index, page in enumerate(run):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key
-from hiradix_model.ops._draft import Draft, require
+from hiradix_model.ops._draft import Draft, choose_whole_pages, require
 from hiradix_model.ops._victims import (
     device_leaves,
     drop_device_copy,
@@ -93,6 +93,7 @@ def _evict_write_back(draft: Draft, victim: Victim, where: str, kept: set[Key]) 
     slots = victim.host_slots
     if len(slots) != ps or len(set(slots)) != ps or not set(slots) <= draft.host_free:
         raise IllegalChoice(f"{where}.host_slots: {slots} are not {ps} distinct free host slots")
+    choose_whole_pages(slots, ps, f"{where}.host_slots")
     for src, dst in zip(record.device, slots, strict=True):
         content = draft.device_kv.get(src)
         if content is None:

@@ -7,7 +7,14 @@ from dataclasses import dataclass, replace
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, content_at, page_aligned_length, page_keys
-from hiradix_model.ops._draft import Draft, require, require_key, require_slots, require_tick
+from hiradix_model.ops._draft import (
+    Draft,
+    require,
+    require_key,
+    require_slots,
+    require_tick,
+    require_whole_pages,
+)
 from hiradix_model.ops.backup import Backup, apply_backup, backup_run
 from hiradix_model.state import Page, State
 
@@ -88,7 +95,9 @@ def insert_pages(
 
 
 def _check_slots(draft: Draft, key: Key, slots: tuple[int, ...], num_pages: int) -> None:
-    """Each slot must be the tree's own slot for that position or hold the caller's KV."""
+    """Whole pages in order (R7); each slot the tree's own slot for that position or
+    holding the caller's KV."""
+    require_whole_pages(slots, draft.ps, "slots")
     for position in range(num_pages * draft.ps):
         slot = slots[position]
         record = draft.pages.get(Key(key.tokens[: position - position % draft.ps + draft.ps],

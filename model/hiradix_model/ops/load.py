@@ -9,7 +9,7 @@ from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, parent_page
 from hiradix_model.ops._ack import acknowledge
-from hiradix_model.ops._draft import Draft, add_lock, require, require_key
+from hiradix_model.ops._draft import Draft, add_lock, choose_whole_pages, require, require_key
 from hiradix_model.ops.evict import Victim, evict_in
 from hiradix_model.state import State, Transfer, pending_count  # noqa: F401 (contracts)
 
@@ -62,6 +62,7 @@ def load_back(
     if (len(device_slots) != tokens or len(set(device_slots)) != tokens
             or not set(device_slots) <= draft.device_free):
         raise IllegalChoice(f"device_slots: not {tokens} distinct free device slots")
+    choose_whole_pages(device_slots, draft.ps, "device_slots")
     draft.device_free.difference_update(device_slots)
     for index, key in enumerate(chain):
         own = device_slots[index * draft.ps : (index + 1) * draft.ps]

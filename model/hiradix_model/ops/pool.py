@@ -13,7 +13,15 @@ from dataclasses import replace
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, content_at
-from hiradix_model.ops._draft import Draft, require, require_key, require_slots, take
+from hiradix_model.ops._draft import (
+    Draft,
+    require,
+    require_key,
+    require_page_set,
+    require_slots,
+    require_whole_pages,
+    take,
+)
 from hiradix_model.state import State, initial
 from hiradix_model.storage import StorageState
 
@@ -21,8 +29,10 @@ from hiradix_model.storage import StorageState
 def alloc(state: State, key: Key, start: int, slots: tuple[int, ...]) -> tuple[State, None]:
     """Take free device ``slots`` and write into them the KV of ``key`` from ``start`` on.
 
-    Slots past the end of ``key`` are taken without KV: a page allocator hands out whole
-    pages, and the unused tail of the last one is the caller's until it frees it.
+    ``slots`` are whole pages (R7): a page allocator hands them out so. Their order says
+    which slot gets which position's KV (a caller may scatter it; insert then refuses).
+    Slots past the end of ``key`` are taken without KV: the unused tail of the last page
+    is the caller's until it frees it.
 
     pre: not check(state)
     post: not check(__return__[0])
@@ -33,6 +43,7 @@ def alloc(state: State, key: Key, start: int, slots: tuple[int, ...]) -> tuple[S
     require_slots(slots, "slots")
     require(isinstance(start, int) and start >= 0, "start", "must be an int >= 0")
     require(start <= len(key.tokens), "start", "is past the end of key")
+    require_page_set(slots, state.config.page_size, "slots")
     require(set(slots) <= state.device_free, "slots", "are not all free device slots")
     draft = Draft(state)
     take(draft.device_free, slots)
@@ -46,7 +57,8 @@ def alloc(state: State, key: Key, start: int, slots: tuple[int, ...]) -> tuple[S
 
 
 def free(state: State, slots: tuple[int, ...]) -> tuple[State, None]:
-    """Return device ``slots`` the caller holds to the free pool.
+    """Return device ``slots`` the caller holds to the free pool, as whole pages in any
+    page order, each in order (R7).
 
     pre: not check(state)
     post: not check(__return__[0])
@@ -54,6 +66,7 @@ def free(state: State, slots: tuple[int, ...]) -> tuple[State, None]:
     raises: PreconditionError
     """
     require_slots(slots, "slots")
+    require_whole_pages(slots, state.config.page_size, "slots", full=True)
     require(set(slots) <= state.held, "slots", "are not all held by the caller")
     draft = Draft(state)
     take(draft.held, slots)

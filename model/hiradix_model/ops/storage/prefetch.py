@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key, page_keys
-from hiradix_model.ops._draft import Draft, require, require_key, require_tick
+from hiradix_model.ops._draft import Draft, choose_whole_pages, require, require_key, require_tick
 from hiradix_model.ops._victims import make_host_room
 from hiradix_model.ops.storage._common import protect, require_request, storage_of, update
 from hiradix_model.state import State
@@ -123,6 +123,7 @@ def _reserve(draft: Draft, request: str, pages: tuple[Key, ...], anchor: Key | N
     if (not isinstance(host_slots, tuple) or len(host_slots) != need
             or len(set(host_slots)) != need or not set(host_slots) <= draft.host_free):
         raise IllegalChoice(f"host_slots: {host_slots} are not {need} distinct free host slots")
+    choose_whole_pages(host_slots, ps, "host_slots")
     draft.host_free.difference_update(host_slots)
     storage = storage_of(draft)
     prefetch = Prefetch(id=storage.next_id, request=request, anchor=anchor,
