@@ -178,10 +178,16 @@ class PageAllocator:
 
     def release(self, slots: torch.Tensor) -> None:
         """Return whole pages that their owner (the cache's tree) knows are its own: no
-        argument checks, the cost of ``free`` on the eviction path. A page released
-        twice still trips the assertion, and INV-DEVICE-/HOST-POOL-CONSERVATION audits
-        the rest."""
-        pages = slots[:: self._page_size] // self._page_size
+        argument checks, the cost of ``free`` on the eviction path. Still asserted, since
+        a slip here corrupts the free list silently: the slots are whole pages in order
+        (spec/03, R7), no page is released twice in one call or across calls (#10, issue
+        16); INV-DEVICE-/HOST-POOL-CONSERVATION audits the rest."""
+        size = self._page_size
+        pages = slots[::size] // size
+        assert slots.numel() == pages.numel() * size and bool(
+            (slots.reshape(-1, size) == pages[:, None] * size + self._offsets).all()
+        ), "released slots that are not whole pages in order"
+        assert torch.unique(pages).numel() == pages.numel(), "released a page twice in one call"
         assert bool(self._allocated[pages].all()), "released a page that is not allocated"
         self._allocated[pages] = False
         self._free_pages.extend(reversed(pages.tolist()))

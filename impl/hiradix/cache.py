@@ -111,6 +111,7 @@ class HiRadixCache:
         self.device_pool.reset()
         self.host_pool.reset()
         self.root = TreeNode(self, None, (), None)  # owns no slots, is never evicted
+        self._offsets = torch.arange(self.page_size, dtype=torch.int64)  # within a page
         # Which device slots a node owns: tells a caller's slot from the tree's in O(1).
         self._device_owned = torch.zeros(self.device_pool.num_slots, dtype=torch.bool)
         self.evictable_tokens = 0
@@ -262,9 +263,41 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ insert
 
+    def _check_whole_pages(self, slots: torch.Tensor) -> None:
+        """spec/03, R7: each run of P positions (and the partial tail) is the slots of one
+        page, in order. The tree, copies and ``release`` are page-granular, so anything
+        else would free one page twice and leak another (issue 16). One comparison with
+        what whole pages would be: each run's first slot rounded down to its page, plus
+        the offsets."""
+        size = self.page_size
+        if size == 1:
+            return
+        whole = len(slots) - len(slots) % size
+        groups = slots[:whole].reshape(-1, size)
+        tail = slots[whole:]
+        if torch.equal(groups, groups[:, :1] // size * size + self._offsets) and (
+                not len(tail) or torch.equal(tail, tail[0] // size * size
+                                             + self._offsets[:len(tail)])):
+            return
+        for start in range(0, len(slots), size):  # only on failure: find and explain
+            run = slots[start:start + size].tolist()
+            if run[0] % size:
+                raise InvalidArgument(f"slots[{start}]", f"starts a page run at slot {run[0]}, "
+                                      f"not at a page start (a multiple of {size}); caller "
+                                      "slots must be whole pages in order (spec/03, R7)")
+            for offset, slot in enumerate(run):
+                if slot != run[0] + offset:
+                    raise InvalidArgument(f"slots[{start + offset}]", f"is {slot}, not "
+                                          f"{run[0] + offset}: slots[{start}:{start + size}] = "
+                                          f"{run} are not one page's slots in order; caller "
+                                          "slots must be whole pages in order (spec/03, R7)")
+        raise AssertionError("unreachable: the vectorised check and the loop disagree")
+
     def _check_insert_slots(self, key: RadixKey, slots: torch.Tensor, aligned: int) -> None:
-        """Every slot is the cache's own slot at that position or held by the caller
-        (allocated and owned by no node). Vectorised: O(key) tensor work, no tree scan."""
+        """Whole pages in order (R7), and every slot is the cache's own slot at that
+        position or held by the caller (allocated and owned by no node). Vectorised:
+        O(key) tensor work, no tree scan."""
+        self._check_whole_pages(slots)
         reuse = torch.zeros(len(slots), dtype=torch.bool)
         start = 0
         for node, matched in self._walk(key, aligned):

@@ -6,8 +6,17 @@ the test); on the real implementation every one of them must pass.
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from hiradix._slots import PageAllocator
+from hiradix.cache import HiRadixCache
+from hiradix.clock import ManualClock
 from hiradix.conformance.machine import make_machine
 from hiradix.conformance.scenario import Scenario
+from hiradix.errors import InvalidArgument, SlotError
+from hiradix.keys import RadixKey
+from hiradix.transfer import ControlledCopyEngine
 
 
 def test_backup_of_a_node_whose_parent_has_no_host_copy() -> None:
@@ -78,3 +87,78 @@ def test_split_of_a_node_whose_load_is_in_flight() -> None:
     state.refines_the_model()
     assert all(n.host_ref == 0 and n.lock_ref == 0 for n in state.cache.nodes())
     state.teardown()
+
+
+# -- issue 16: caller slots that are not whole pages in order (spec/03, R7) -------------
+# Found while profiling, not by the suite; the machine's scrambled_insert_slots rule now
+# finds it (on the old cache.py it shrinks to a one-token insert into slot 1 at P = 2).
+
+def _snapshot(cache: HiRadixCache) -> tuple[object, ...]:
+    """What an insert could change: the tree, both free lists, the counters, the copies."""
+    nodes = tuple((n.namespace, n.tokens, None if n.device is None else n.device.tolist(),
+                   None if n.host is None else n.host.tolist(), n.lock_ref, n.hits)
+                  for n in cache.nodes())
+    return (nodes, cache.device_pool.free_slots(), cache.host_pool.free_slots(),
+            cache.evictable_tokens, cache.protected_tokens,
+            tuple(len(q) for q in cache.pending.values()))
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_interleaved_insert_slots_are_rejected_before_anything_changes(policy: str) -> None:
+    # Issue 16: insert accepted [0, 2, 1, 3] at page size 2, so the node's device slots
+    # were half of page 0 and half of page 1. Eviction then released "page 0" twice:
+    # under write_back the allocator's assertion fired; under write_through page 0 went
+    # onto the free list twice and page 1 leaked.
+    cache = Scenario(page_size=2, write_policy=policy).build(ManualClock(), None)  # type: ignore[arg-type]
+    held = cache.device_pool.alloc(4)
+    assert held is not None and held.tolist() == [0, 1, 2, 3]
+    before = _snapshot(cache)
+    rejected = None
+    try:
+        cache.insert(RadixKey((1, 2, 3, 4)), torch.tensor([0, 2, 1, 3], dtype=torch.int64))
+    except InvalidArgument as error:
+        rejected = error
+    engine = cache.engine
+    assert isinstance(engine, ControlledCopyEngine)
+    engine.complete("d2h", engine.queued("d2h"))  # a write-through backup lands first
+    cache.writing_check()
+    cache.evict(4)  # today's main: AssertionError in PageAllocator.release (write_back)
+    cache.check_invariants()
+    pool = cache.device_pool  # today's main, write_through: page 0 on the free list twice
+    assert pool.num_free_slots == len(pool.free_slots()), "a page was freed twice"
+    assert rejected is not None, "insert accepted slots that are not whole pages in order"
+    assert rejected.argument == "slots[1]" and "page" in rejected.reason
+    assert _snapshot(cache) == before
+    cache.device_pool.free(held)  # the caller still holds both pages, whole
+    assert cache.device_pool.num_free_slots == cache.device_pool.num_slots
+
+
+def test_partial_tail_page_must_start_its_page() -> None:
+    # The tail (tokens past the last whole page) is the first slots of one page, in order.
+    cache = Scenario(page_size=4).build(ManualClock(), None)
+    held = cache.device_pool.alloc(8)
+    assert held is not None
+    before = _snapshot(cache)
+    with pytest.raises(InvalidArgument, match=r"^slots\[4\]"):
+        cache.insert(RadixKey((1, 2, 3, 4, 5, 6)),
+                     torch.tensor([0, 1, 2, 3, 5, 6], dtype=torch.int64))
+    assert _snapshot(cache) == before
+    cache.insert(RadixKey((1, 2, 3, 4, 5, 6)), torch.tensor([4, 5, 6, 7, 0, 1]))
+    cache.check_invariants()
+
+
+def test_a_page_repeated_within_one_free_or_release() -> None:
+    # #10: a double free inside one call must raise, like a double free across calls.
+    allocator = PageAllocator(8, 2)
+    slots = allocator.alloc(4)
+    assert slots is not None and slots.tolist() == [0, 1, 2, 3]
+    with pytest.raises(SlotError, match="more than once"):
+        allocator.free(torch.tensor([0, 1, 0, 1], dtype=torch.int64))
+    assert allocator.num_free_slots == 4  # the checked path changed nothing
+    with pytest.raises(AssertionError):
+        allocator.release(torch.tensor([2, 3, 2, 3], dtype=torch.int64))
+    with pytest.raises(AssertionError):
+        allocator.release(torch.tensor([0, 2, 1, 3], dtype=torch.int64))  # not whole pages
+    assert allocator.num_free_slots == 4
+    allocator.release(slots)
+    assert allocator.num_free_slots == 8

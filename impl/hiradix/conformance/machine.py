@@ -34,9 +34,11 @@ from hiradix_model import (
     Backup,
     Config,
     Key,
+    PreconditionError,
     State,
     Victim,
     check,
+    choosers,
     initial,
     ops,
     trace,
@@ -344,6 +346,61 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 self.step("reset", ops.reset)
                 self.caller_locks.clear()
                 self.holdings.clear()
+
+        # -- caller slots laid out other than whole pages in order (spec/03, R7) ---------
+
+        @rule(tokens=tokens, namespace=namespaces, how=st.sampled_from(choosers.LAYOUTS))
+        def scrambled_insert_slots(self, tokens: tuple[int, ...], namespace: str | None,
+                                   how: str) -> None:
+            """Insert's slots interleaved, shifted, reversed, with the partial tail at the
+            end of its page, or whole pages out of page order (issue 16). Where R7 is
+            broken both refuse, the cache and the model unchanged; otherwise both cache."""
+            ps = self.cache.page_size
+            if how == "tail" and ps > 1 and len(tokens) % ps == 0:
+                tokens = tokens[:-1]  # so that there is a partial tail
+            if not tokens:
+                return
+            key, rkey = Key(tokens, namespace), RadixKey(tokens, namespace)
+            pages = self.cache.device_pool.alloc(math.ceil(len(tokens) / ps) * ps)
+            if pages is None:
+                return
+            laid = choosers.scramble(tuple(pages.tolist()), len(tokens), ps, how)
+            rest = tuple(s for s in pages.tolist() if s not in laid)
+            self.step("alloc", ops.alloc, key, 0, laid + rest)
+            self.write_kv(key, 0, torch.tensor(laid, dtype=torch.int64))
+            now = self.clock.advance(0)
+            if choosers.page_fault(laid, ps) is not None:
+                before = abstract(self.cache, self.model)
+                model_before = self.model
+                try:
+                    self.cache.insert(rkey, torch.tensor(laid, dtype=torch.int64))
+                except InvalidArgument as error:
+                    assert "R7" in error.reason, error
+                else:
+                    raise AssertionError(f"insert accepted {how} slots {laid} at P={ps}")
+                try:
+                    ops.insert(self.model, key, laid, now)
+                except PreconditionError:
+                    pass
+                else:
+                    raise AssertionError(f"the model accepted {how} slots {laid} at P={ps}")
+                assert abstract(self.cache, self.model) == before, "the refusal changed the cache"
+                assert self.model is model_before
+                counts.ops[f"R7 slots refused (P={ps})"] += 1
+                self.holdings.append(pages)
+                return
+            prefix = self.cache.insert(rkey, torch.tensor(laid, dtype=torch.int64))
+            made = self.recorder.take().backups
+            backup = Backup(tuple(map(to_key, made[0].host_victims)),
+                            made[0].host_slots) if made else None
+            result = self.step("insert", ops.insert, key, laid, now, backup=backup)
+            self.agree(ops.InsertResult(prefix, result.due), result)  # type: ignore[attr-defined]
+            counts.ops[f"R7 slots accepted (P={ps})"] += 1
+            owned = self.cache._tree_device_slots()
+            leftover = [s for s in pages.tolist() if s not in owned]
+            if leftover:
+                self.cache.device_pool.free(torch.tensor(leftover, dtype=torch.int64))
+                self.step("free", ops.free, tuple(leftover))
 
         # -- misuse: a typed error, and the cache exactly as it was ---------------------
 
