@@ -6,9 +6,13 @@ requests. Every request is served by each engine in turn -- ours, SGLang's HiRad
 and for the device-only rows SGLang's RadixCache -- so machine noise hits all of them
 alike. A request is what a scheduler does: match, load back a host hit, lock, evict the
 shortfall, allocate, insert, free the duplicates, unlock, acknowledge copies. Each call
-is timed on its own; the table gives calls per second per operation and the ratio
-ours / SGLang (above 1: ours is faster), plus the tree's metadata bytes per cached token.
-No engine state is shared; keys and slot tensors are built before the clock starts.
+is timed on its own; the table gives the mean and the median time per call of each
+operation, and SGLang's time over ours for both (above 1: ours is faster), plus the tree's
+metadata bytes per cached token. Medians are the figure to compare: on a shared machine
+one scheduler stall moves a mean by tens of percent and a median by a few. Every engine
+runs in the same layout (MHA device pools, ``HOST_LAYOUT`` host pools, the same KV
+shape), so cache effects favour none. No engine state is shared; keys and slot tensors
+are built before the clock starts.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import statistics
 import sys
 import time
 import tracemalloc
@@ -23,7 +28,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,6 +44,10 @@ OPS = ("match_prefix", "insert", "evict", "load_back")
 # The same KV shape for every engine (SGLang's pools are built by its adapter with these):
 # insert and load-back move the bytes, so the rows compare the same copies.
 LAYERS, HEADS, HEAD_DIM, DTYPE = 2, 2, 2, torch.float16
+# One host layout for every engine: SGLang's adapter supports only layer_first (and MHA),
+# so ours runs in it too, and neither gains from a friendlier memory layout.
+HOST_LAYOUT: Literal["layer_first"] = "layer_first"
+KV_LAYOUT: Literal["mha"] = "mha"
 
 
 @dataclass(frozen=True)
@@ -74,18 +83,24 @@ def workloads(seed: int, scale: float) -> list[Workload]:
 
 @dataclass
 class Timings:
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    samples: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
 
     def timed(self, op: str, call: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         result = call()
-        self.seconds[op] += time.perf_counter() - start
-        self.calls[op] += 1
+        self.samples[op].append(time.perf_counter() - start)
         return result
 
-    def rate(self, op: str) -> float | None:
-        return self.calls[op] / self.seconds[op] if self.seconds[op] else None
+    def calls(self, op: str) -> int:
+        return len(self.samples[op])
+
+    def mean(self, op: str) -> float | None:
+        """Seconds per call, averaged; None if never called."""
+        return statistics.fmean(self.samples[op]) if self.samples[op] else None
+
+    def median(self, op: str) -> float | None:
+        """Seconds per call, the median; None if never called."""
+        return statistics.median(self.samples[op]) if self.samples[op] else None
 
 
 class Ours:
@@ -93,9 +108,9 @@ class Ours:
 
     def __init__(self, page_size: int, device_slots: int, host_slots: int) -> None:
         device = DeviceKVPool(num_slots=device_slots, page_size=page_size, layers=LAYERS,
-                              layout="mha", heads=HEADS, head_dim=HEAD_DIM, dtype=DTYPE,
+                              layout=KV_LAYOUT, heads=HEADS, head_dim=HEAD_DIM, dtype=DTYPE,
                               device="cpu")
-        host = HostKVPool(device, num_slots=host_slots, layout="layer_first")
+        host = HostKVPool(device, num_slots=host_slots, layout=HOST_LAYOUT)
         self.cache = HiRadixCache(CacheConfig(page_size=page_size), device, host,
                                   make_engine("sync", device, host), clock=CountingClock())
         self.pool = device
@@ -141,7 +156,8 @@ class Sglang:
         from hiradix.conformance.adapters.sglang import SglangAdapter
         from hiradix.conformance.scenario import Scenario
         scenario = Scenario(page_size=page_size, device_pages=device_slots // page_size,
-                            host_pages=host_slots // page_size)
+                            host_pages=host_slots // page_size, host_layout=HOST_LAYOUT,
+                            kv_layout=KV_LAYOUT)
         self.adapter = SglangAdapter(scenario, hierarchical)
         self.adapter.cache.load_back_threshold = 10  # SGLang's own value, as ours uses
         self.hier = hierarchical
@@ -228,10 +244,9 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
         for other in (hi, base):
             if other is None:
                 continue
-            a, b = ours.t.rate(op), other.t.rate(op)
-            ratio = f"{a / b:.2f}" if a and b else "n/a"
-            rows.append([str(page_size), op, other.name, _fmt(a, ours.t.calls[op]),
-                         _fmt(b, other.t.calls[op]), ratio])
+            rows.append([str(page_size), op, other.name, *_per_call(ours.t, op),
+                         *_per_call(other.t, op), _ratio(ours.t.mean(op), other.t.mean(op)),
+                         _ratio(ours.t.median(op), other.t.median(op))])
     # Metadata: a fresh tree of each kind over the shared-prompt workload, no eviction.
     sample = workloads(seed, scale)[0].requests
     for other_kind in (True, False):
@@ -242,7 +257,7 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
             size, cached = engine.metadata(_serve_all(engine, sample))
             per.append(size / max(cached, 1))
         rows.append([str(page_size), "metadata bytes/token", fresh.name, f"{per[0]:.1f}",
-                     f"{per[1]:.1f}", f"{per[1] / per[0]:.2f}"])
+                     "", f"{per[1]:.1f}", "", f"{per[1] / per[0]:.2f}", ""])
         fresh.close()
     for engine in (hi, radix):
         engine.close()
@@ -257,12 +272,22 @@ def _serve_all(engine: Any, requests: list[tuple[int, ...]]) -> Callable[[], Non
     return build
 
 
-def _fmt(rate: float | None, calls: int) -> str:
-    return "n/a" if rate is None else f"{rate:,.0f}/s ({calls})"
+def _per_call(timings: Timings, op: str) -> tuple[str, str]:
+    """The mean (with the number of calls) and the median time per call, in µs."""
+    mean, median = timings.mean(op), timings.median(op)
+    if mean is None or median is None:
+        return "n/a", "n/a"
+    return f"{mean * 1e6:,.1f} ({timings.calls(op)})", f"{median * 1e6:,.1f}"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    """SGLang's time per call over ours: above 1, ours is faster."""
+    return f"{theirs / ours:.2f}" if ours and theirs else "n/a"
 
 
 def table(rows: list[list[str]]) -> Iterator[str]:
-    head = ["page", "operation", "vs", "ours", "SGLang 0.5.20", "ours/SGLang"]
+    head = ["page", "operation", "vs", "ours mean µs", "ours median µs", "SGLang mean µs",
+            "SGLang median µs", "speed-up (mean)", "speed-up (median)"]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for row in [head, ["-" * w for w in widths], *rows]:
         yield " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
@@ -280,6 +305,9 @@ def main(args: argparse.Namespace) -> int:
         run(page_size, args.scale, args.seed, rows)
     print("\n".join(table(rows)))
     print(f"(seed {args.seed}, scale {args.scale}, page sizes {args.page_sizes}, "
-          f"{time.perf_counter() - started:.0f} s; calls per second, calls in brackets; "
-          "metadata: ratio is SGLang/ours, above 1 means ours is smaller)")
+          f"{time.perf_counter() - started:.0f} s; µs per call, calls in brackets; "
+          "speed-up = SGLang's time / ours, above 1 means ours is faster; compare medians, "
+          "means move with scheduler stalls; every engine in the same layout: "
+          f"{KV_LAYOUT.upper()} device pools, {HOST_LAYOUT} host pools; metadata: "
+          "ratio is SGLang/ours, above 1 means ours is smaller)")
     return 0
