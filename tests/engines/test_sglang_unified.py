@@ -239,13 +239,13 @@ def test_touch_prefix_changes_what_a_match_changes() -> None:
 
 
 def test_tlru_is_outside_the_model_and_refused() -> None:
-    """spec/07 DEV-29: 0.5.23's tlru strategy has no counterpart in the model."""
+    """spec/07 DEV-28: 0.5.23's tlru strategy has no counterpart in the model."""
     adapter = unified()
     if not adapter.v20:
         from sglang.srt.mem_cache.utils import get_eviction_strategy
         assert type(get_eviction_strategy("tlru", None)).__name__ == "TLRUStrategy"
     adapter.close()
-    with pytest.raises(ValueError, match="DEV-29"):
+    with pytest.raises(ValueError, match="DEV-28"):
         unified(Scenario(page_size=1, eviction="tlru"))  # type: ignore[arg-type]
 
 
@@ -282,4 +282,51 @@ def test_adopted_fields_name_a_deviation() -> None:
     adapter = unified()
     assert set(adapter.adopted) <= set(trace.ADOPTABLE)
     assert all("DEV-" in why for why in adapter.adopted.values())
+    adapter.close()
+
+
+def test_dev1_a_split_by_a_match_stamps_the_unmatched_suffix() -> None:
+    """spec/07 DEV-1, still so in UnifiedRadixCache: a match that ends inside a node
+    splits it and stamps the unmatched lower part with a fresh tick; the spec stamps only
+    the matched pages (the adapter adopts last_tick for that)."""
+    adapter = unified()
+    adapter.set_time(0)
+    put(adapter, (1, 1))
+    adapter.set_time(1)
+    adapter.match_prefix(Key((1,)))
+    ticks = {t: p.last_tick for t, p in pages_of(adapter).items()}
+    assert ticks == {(1,): 1, (1, 1): 1}, ticks  # the spec: {(1,): 1, (1, 1): 0}
+    adapter.close()
+
+
+def test_dev4_is_fixed_a_split_keeps_the_creation_tick() -> None:
+    """spec/07 DEV-4 does not recur: UnifiedRadixCache's split copies creation_time to
+    the upper part, so insert_tick needs no adoption (HiRadixCache's split did not)."""
+    adapter = unified(Scenario(page_size=1, eviction="fifo"))
+    adapter.set_time(0)
+    put(adapter, (1, 2))
+    adapter.set_time(4)
+    adapter.match_prefix(Key((1,)))
+    assert adapter._node(Key((1,))) is not adapter._node(Key((1, 2))), "no split"
+    assert {p.insert_tick for p in pages_of(adapter).values()} == {0}
+    assert "insert_tick" not in adapter.adopted
+    adapter.close()
+
+
+def test_dev18_a_split_of_a_loading_anchor_and_its_host_lock() -> None:
+    """spec/07 DEV-18: 0.5.20's split leaves the upper part of a loading anchor without
+    its host lock (host_lock_ref 0); 0.5.23 copies the lock and moves the lock's segment
+    boundary up, so the ack releases both parts."""
+    adapter = unified()
+    _host_only(adapter, (1, 2))
+    adapter.match_prefix(Key((1, 2)))
+    loaded, _ = adapter.init_load_back(Key((1, 2)), None)
+    assert len(loaded) == 2
+    adapter.match_prefix(Key((1,)))  # splits the anchor while its load is in flight
+    upper = adapter._node(Key((1,))).component_data[adapter.full].host_lock_ref
+    assert upper == (0 if adapter.v20 else 1)
+    assert [p.host_protect for p in pages_of(adapter).values()] == [1, 1]
+    assert adapter.loading_check() == 1
+    assert {t: adapter._node(Key(t)).component_data[adapter.full].host_lock_ref
+            for t in [(1,), (1, 2)]} == {(1,): 0, (1, 2): 0}
     adapter.close()

@@ -58,7 +58,7 @@ from hiradix_model import Config, Key, Page, State, Transfer, ops
 VERSIONS = ("0.5.20", "0.5.23")
 SETUP = "make sglang-env (0.5.20) or make sglang23-env (0.5.23)"
 TICK = 2 ** 20  # stamps per logical tick; SGLang's per-level offsets stay below one
-# The spec's eviction strategies; SGLang 0.5.23 adds ``tlru``, which the model lacks (DEV-29).
+# The spec's eviction strategies; SGLang 0.5.23 adds ``tlru``, which the model lacks (DEV-28).
 STRATEGIES = ("lru", "lfu", "fifo", "mru", "filo", "priority", "slru")
 _MODULES = {
     "uni": "sglang.srt.mem_cache.unified_radix_cache",
@@ -242,7 +242,7 @@ class SglangUnifiedAdapter(SglangAdapter):
             raise ValueError("scenario: the SGLang adapters take MHA pools with the "
                              "layer_first host layout only")
         if scenario.eviction not in STRATEGIES:
-            raise ValueError(f"scenario: eviction must be one of {STRATEGIES} (DEV-29)")
+            raise ValueError(f"scenario: eviction must be one of {STRATEGIES} (DEV-28)")
         self.version = probe(self.name)
         self.uenv = prepare()
         self.uenv.clock.now = 0  # not the previous cache's last tick
