@@ -151,3 +151,82 @@ def test_dev_v1_a_whole_cached_key_gets_a_duplicate_block() -> None:
     assert len(shared) == 3, "three blocks: the last page twice"
     seen = engine.observe(model)
     assert len(seen.pages) == 2 and len(seen.held) == 2, "the duplicate shows as held"
+
+
+# -- vllm-offload: the CPU OffloadingManager as the host tier ------------------------------
+
+BIG_HOST = [Scenario(page_size=2, device_pages=6, host_pages=256),
+            Scenario(page_size=4, device_pages=4, host_pages=256)]
+
+
+@pytest.mark.parametrize("scenario", BIG_HOST, ids=lambda s: f"p{s.page_size}d{s.device_pages}")
+def test_vllm_offload_refines_the_model(scenario: Scenario) -> None:
+    """Stores, their acknowledgement, device eviction to host and loads back. The host is
+    large enough never to evict: host eviction is DEV-V7 (below)."""
+    tally = Tally()
+    run_state_machine_as_test(make_machine("vllm-offload", scenario, tally),
+                              settings=bounded())
+    assert tally.ops["writing_check"], dict(tally.ops)
+
+
+def offload_run() -> Machine:
+    """A request stored to host and acknowledged, its device copy evicted, and the same
+    request again: a host hit loaded back."""
+    machine = make_machine("vllm-offload", Scenario(page_size=2, device_pages=3,
+                                                    host_pages=8))()
+    machine.request(tokens=(1, 2, 1, 1, 3), namespace=None, dt=1, keep=False)
+    machine.writing_check()
+    machine.request(tokens=(2, 2, 2, 2, 3), namespace=None, dt=1, keep=False)  # evicts
+    machine.writing_check()
+    machine.engine_refines_the_model()
+    return machine
+
+
+def test_a_host_hit_is_loaded_back() -> None:
+    machine = offload_run()
+    assert machine.model.pages[Key((1, 2, 1, 1))].device is None, "evicted to host"
+    machine.request(tokens=(1, 2, 1, 1, 3), namespace=None, dt=1, keep=False)
+    machine.engine_refines_the_model()
+    assert machine.counts.ops["init_load_back"] == 1 and machine.counts.ops["loading_check"]
+    assert machine.model.pages[Key((1, 2, 1, 1))].device is not None
+
+
+def test_the_store_pin_mapping_can_fail() -> None:
+    """A finished request's blocks stay referenced while its store is in flight (the
+    copy's pin, R3): freeing them at once leaves the model's pin without a reference."""
+    machine = make_machine("vllm-offload", Scenario(page_size=2, host_pages=8))()
+    machine.request(tokens=(1, 2, 3), namespace=None, dt=1, keep=False)
+    assert machine.model.pending, "the store is in flight"
+
+    def free_now(engine: VllmDevice) -> None:
+        for request_id in sorted(engine.delayed):
+            engine.manager.free(engine.running[request_id].request)
+    _fails(machine, free_now, "disagree")
+
+
+def test_the_host_pool_mapping_can_fail() -> None:
+    """chunk <-> host slots: a chunk freed while a page still names it is owned twice."""
+    machine = offload_run()
+
+    def double_free(engine: VllmDevice) -> None:
+        chunk = next(iter(engine.host._policy.chunks.values()))  # type: ignore[attr-defined]
+        engine.host._free_list.append(chunk.chunk_id)  # type: ignore[attr-defined]
+    _fails(machine, double_free, "INV-HOST-POOL-CONSERVATION|INV-ACCOUNTING|disagree")
+
+
+def test_dev_v7_host_eviction_takes_the_copy_of_a_page_on_device() -> None:
+    """spec/10 DEV-V7, reproduced: vLLM's host tier is an LRU cache of blocks of its own.
+    With no room it evicts the least recent ready chunk, here the host copy of a page that
+    is still on device, where the spec evicts only host-only leaves (R2). The model
+    rejects the backup report. If this fails, vLLM's host eviction now follows the tree:
+    update DEV-V7 and run the offload campaigns with a small host."""
+    from hiradix_model.errors import IllegalChoice
+
+    machine = make_machine("vllm-offload", Scenario(page_size=2, device_pages=6,
+                                                    host_pages=3))()
+    machine.request(tokens=(1, 2, 1, 1, 3), namespace=None, dt=1, keep=False)
+    machine.writing_check()
+    machine.engine_refines_the_model()
+    with pytest.raises(IllegalChoice, match="host_slots"):
+        machine.request(tokens=(1, 1, 1, 1, 3), namespace=None, dt=1, keep=False)
+    assert machine.model.pages[Key((1, 2, 1, 1))].device is not None

@@ -38,8 +38,9 @@ namespaces = st.sampled_from([None, None, "b"])
 def make_machine(engine: str, scenario: Scenario,
                  tally: Tally | None = None) -> type[RuleBasedStateMachine]:
     """A state machine class driving a fresh vLLM device cache per example."""
-    if engine != "vllm":
-        raise ValueError(f"engine: the vLLM machine drives 'vllm', got {engine!r}")
+    if engine not in ("vllm", "vllm-offload"):
+        raise ValueError(f"engine: the vLLM machine drives 'vllm' or 'vllm-offload', "
+                         f"got {engine!r}")
     build = factory(engine, scenario)
     counts = tally if tally is not None else Tally()
 
@@ -84,32 +85,46 @@ def make_machine(engine: str, scenario: Scenario,
             now = self.tick(dt)
             request = self.engine.new_request(key)
             hit, hit_tokens = self.engine.lookup(request)
+            host_pages = self.engine.host_hit(request, key, hit_tokens // ps)
             # DEV-V4: the scheduler caps a hit at all but the last token (it needs logits).
             want = self.step("match_prefix", ops.match_prefix,
                              Key(key.tokens[:-1], key.namespace), now)
             assert isinstance(want, ops.MatchResult)
+            last_host = self.engine.last_on_host(key, hit_tokens // ps + host_pages)
             self.agree(ops.MatchResult(self.engine.hit_slots(hit), self.engine.last_page(hit),
-                                       None, 0), want)
+                                       last_host, host_pages * ps), want)
             locked = want.last_device_page
+            prefix = want.device_slots
+            if host_pages:
+                loaded = self.load(request, key, hit, hit_tokens, want)
+                if loaded is None:
+                    return
+                hit, hit_tokens, prefix = None, 0, prefix + loaded
+                locked = want.last_host_page
             before = self.observe()
-            need = len(key.tokens) - hit_tokens
+            need = len(key.tokens) - len(prefix)
             # What an allocation can take once the hit is referenced: free and evictable.
-            pinned = ops.inc_lock_ref(self.model, locked)[0]
+            pinned = ops.inc_lock_ref(self.model, locked)[0] if not host_pages else self.model
             room = len(pinned.device_free) + pinned.evictable_tokens
             new = self.engine.schedule(request, key, hit, hit_tokens)
             if new is None:
                 # vLLM found no room and changed nothing: neither does the model.
                 assert ceil_pages(need, ps) > room, "vLLM refused an allocation that fits"
+                if host_pages:  # the scheduler gives the loaded request's blocks back
+                    self.engine.abandon(request)
+                    self.step("dec_lock_ref", ops.dec_lock_ref, locked)
                 return
+            self.engine.store(request, key)  # the connector offers the request's blocks
             # DEV-V5: allocate_slots = touch, lazy eviction, allocation, registration.
             after = self.observe(adopt=False)
-            self.step("inc_lock_ref", ops.inc_lock_ref, locked)
+            if not host_pages:
+                self.step("inc_lock_ref", ops.inc_lock_ref, locked)
             shortfall = max(0, len(new) - len(self.model.device_free))
             if shortfall or left_device(before, after):
                 victims = infer.device_victims(self.model, before, after, shortfall)
                 self.step("evict", ops.evict, shortfall, victims)
-            self.step("alloc", ops.alloc, key, hit_tokens, new)
-            slots = want.device_slots + new[:need]
+            self.step("alloc", ops.alloc, key, len(prefix), new)
+            slots = prefix + new[:need]
             draft = Draft(self.model)
             _, due = insert_pages(draft, key, slots, now, 0, False)
             report = infer.backup(self.model, before, after, backup_run(draft, due))
@@ -124,10 +139,30 @@ def make_machine(engine: str, scenario: Scenario,
             if not keep:
                 self.finish(request.request_id)
 
+        def load(self, request: object, key: Key, hit: object, hit_tokens: int,
+                 want: ops.MatchResult) -> tuple[int, ...] | None:
+            """The connector's load of the host hit, completed at once: init_load_back,
+            loading_check, and the request's lock on the loaded page."""
+            before = self.observe()
+            pages = want.host_hit_tokens // self.model.config.page_size
+            loaded = self.engine.load(request, key, hit, hit_tokens, pages)
+            if loaded is None:
+                return None
+            after = self.observe(adopt=False)
+            anchor = want.last_device_page
+            shortfall = max(0, want.host_hit_tokens - len(self.model.device_free))
+            pinned = ops.inc_lock_ref(self.model, anchor)[0] if anchor else self.model
+            victims = infer.device_victims(pinned, before, after, shortfall)
+            self.step("init_load_back", ops.init_load_back, want.last_host_page, None,
+                      device_victims=victims, device_slots=loaded)
+            self.step("loading_check", ops.loading_check, 1)
+            self.step("inc_lock_ref", ops.inc_lock_ref, want.last_host_page)
+            return loaded
+
         def finish(self, request_id: str) -> None:
             running = self.engine.finish(request_id)
             self.step("dec_lock_ref", ops.dec_lock_ref, running.lock_page)
-            if running.tail:
+            if running.tail and request_id not in self.engine.delayed:
                 self.step("free", ops.free, running.tail)
 
         # -- rules ---------------------------------------------------------------------
@@ -146,12 +181,22 @@ def make_machine(engine: str, scenario: Scenario,
         def request_again(self, index: int, dt: int) -> None:
             self.serve(self.seen[index % len(self.seen)], dt, False)
 
-        @precondition(lambda self: bool(self.engine.running))
+        @precondition(lambda self: bool(set(self.engine.running) - self.engine.delayed))
         @rule(index=st.integers(0, 63))
         def finish_one(self, index: int) -> None:
             # No tick of its own: a release is stamped with the model's clock (DEV-V2).
-            running = sorted(self.engine.running, key=int)
+            running = sorted(set(self.engine.running) - self.engine.delayed, key=int)
             self.finish(running[index % len(running)])
+
+        @precondition(lambda self: "writing_check" in self.engine.operations
+                      and bool(self.model.pending))
+        @rule()
+        def writing_check(self) -> None:
+            done, freed = self.engine.writing_check()
+            self.step("writing_check", ops.writing_check, done)
+            for running in freed:  # the frees the connector delayed
+                if running.tail:
+                    self.step("free", ops.free, running.tail)
 
         @rule(go=st.integers(0, 15))
         def reset(self, go: int) -> None:

@@ -52,6 +52,7 @@ MODULES = {
     "sampling": "vllm.sampling_params",
     "hashing": "vllm.utils.hashing",
     "offload": "vllm.v1.kv_offload.cpu.manager",
+    "offload_base": "vllm.v1.kv_offload.base",
 }
 HASH = "sha256_cbor"  # cryptographic: vLLM derives its root hash from a fixed seed (DEV-V6)
 DEVICE_OPS = frozenset({"match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "alloc",
@@ -89,16 +90,19 @@ def probe(engine: str) -> str:
 
 
 def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
-    """vLLM's device cache is LRU only and has no host tier of its own (host_slots = 0);
-    page size 1 always re-hits a whole cached key, which DEV-V1 steers around."""
+    """vLLM's device cache is LRU only; ``vllm`` has no host tier (host_slots = 0) and
+    ``vllm-offload`` stores every computed block (write-through, threshold 1). Page size
+    1 always re-hits a whole cached key, which DEV-V1 steers around."""
     return {"eviction": ("lru",), "write_policy": ("write_through",), "page_size": (2, 4),
             "host_layout": ("layer_first",), "kv_layout": ("mha",)}
 
 
 def factory(engine: str, scenario: Scenario) -> Callable[[], VllmDevice]:
-    if engine != "vllm":
-        raise EngineUnavailable(f"{engine}: the adapter for vLLM's OffloadingManager is not "
-                                f"written yet (spec/10 lists what it would map)", "api")
+    """Fresh adapters: ``vllm`` (device only) or ``vllm-offload`` (with the CPU tier, its
+    LRU policy; ``VllmOffload(scenario, "arc")`` for ARC)."""
+    if engine == "vllm-offload":
+        from hiradix.conformance.adapters.vllm_offload import VllmOffload
+        return lambda: VllmOffload(scenario)
     return lambda: VllmDevice(scenario)
 
 
@@ -158,6 +162,7 @@ class VllmDevice:
                              load_back_threshold=scenario.threshold_pages * ps)
         self.now = 0
         self.pages_by_hash: dict[bytes, Key] = {}
+        self.hash_of: dict[Key, bytes] = {}
         self.kv: dict[int, Key] = {}  # the forward pass's writes: slot -> content identity
         self.stamp: dict[int, int] = {}  # block -> tick last referenced or released
         self.registered: dict[int, tuple[bytes, int]] = {}  # block -> (hash, tick)
@@ -191,8 +196,9 @@ class VllmDevice:
                                        arrival_time=0.0, cache_salt=key.namespace,
                                        block_hasher=self.hasher)
         for index, digest in enumerate(request.block_hashes):
-            self.pages_by_hash[bytes(digest)] = Key(key.tokens[:(index + 1) * self.ps],
-                                                    key.namespace)
+            page = Key(key.tokens[:(index + 1) * self.ps], key.namespace)
+            self.pages_by_hash[bytes(digest)] = page
+            self.hash_of[page] = bytes(digest)
         return request
 
     def lookup(self, request: Any) -> tuple[Any, int]:
@@ -211,29 +217,33 @@ class VllmDevice:
                  hit_tokens: int) -> tuple[int, ...] | None:
         """``allocate_slots`` for the rest of the prompt, then the forward pass writes the
         new blocks. The new blocks' slots, in order; None if vLLM found no room."""
-        need = len(key.tokens) - hit_tokens
-        new = self.manager.allocate_slots(request, need, hit_tokens, hit)
+        start = request.num_computed_tokens + hit_tokens
+        new = self.manager.allocate_slots(request, len(key.tokens) - start, hit_tokens, hit)
         if new is None:
             return None
         ids = [b.block_id for b in new.blocks[0]]
         slots = tuple(s for b in ids for s in self.slots(b))
         for offset, slot in enumerate(slots):  # the forward pass
-            position = hit_tokens + offset
+            position = start + offset
             if position < len(key.tokens):
                 self.kv[slot] = content_at(key, position)
             else:
                 self.kv.pop(slot, None)
         request.num_computed_tokens = len(key.tokens)
+        self._stamp(request)
+        full = (len(key.tokens) // self.ps) * self.ps
+        tail = slots[max(0, full - start):]
+        self.running[request.request_id] = Running(request, key, None, tail)
+        return slots
+
+    def _stamp(self, request: Any) -> None:
+        """The request references its blocks now; new hashes are registered now."""
         for block in self.manager.get_blocks(request.request_id).blocks[0]:
             self.stamp[block.block_id] = self.now
             known = self.registered.get(block.block_id)
             if block.block_hash is not None and (known is None
                                                  or known[0] != bytes(block.block_hash)):
                 self.registered[block.block_id] = (bytes(block.block_hash), self.now)
-        full = (len(key.tokens) // self.ps) * self.ps
-        tail = slots[max(0, full - hit_tokens):]
-        self.running[request.request_id] = Running(request, key, None, tail)
-        return slots
 
     def finish(self, request_id: str) -> Running:
         """``free``: the request returns its blocks (tail first)."""
@@ -244,6 +254,26 @@ class VllmDevice:
             if block.ref_cnt == 0:
                 self.stamp[block.block_id] = self.now
         return running
+
+    def abandon(self, request: Any) -> None:
+        """``free`` of a request that was never scheduled past its load."""
+        blocks = list(self.manager.get_blocks(request.request_id).blocks[0])
+        self.manager.free(request)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.stamp[block.block_id] = self.now
+
+    # No host tier: no host hit, nothing stored, no free is ever delayed.
+    delayed: frozenset[str] = frozenset()
+
+    def host_hit(self, request: Any, key: Key, device_pages: int) -> int:
+        return 0
+
+    def last_on_host(self, key: Key, pages: int) -> Key | None:
+        return None
+
+    def store(self, request: Any, key: Key) -> tuple[Key, ...]:
+        return ()
 
     def reset(self) -> bool:
         """``reset_prefix_cache``; vLLM refuses it while any request holds blocks."""
