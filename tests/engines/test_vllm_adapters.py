@@ -159,12 +159,13 @@ BIG_HOST = [Scenario(page_size=2, device_pages=6, host_pages=256),
             Scenario(page_size=4, device_pages=4, host_pages=256)]
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize("scenario", BIG_HOST, ids=lambda s: f"p{s.page_size}d{s.device_pages}")
-def test_vllm_offload_refines_the_model(scenario: Scenario) -> None:
-    """Stores, their acknowledgement, device eviction to host and loads back. The host is
-    large enough never to evict: host eviction is DEV-V7 (below)."""
+def test_vllm_offload_refines_the_model(scenario: Scenario, policy: str) -> None:
+    """Stores, their acknowledgement, device eviction to host and loads back, under both
+    host policies. The host is large enough never to evict: host eviction is DEV-V7."""
     tally = Tally()
-    run_state_machine_as_test(make_machine("vllm-offload", scenario, tally),
+    run_state_machine_as_test(make_machine("vllm-offload", scenario, tally, policy),
                               settings=bounded())
     assert tally.ops["writing_check"], dict(tally.ops)
 

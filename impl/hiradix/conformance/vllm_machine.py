@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hiradix.conformance import infer
 from hiradix.conformance.adapters.vllm import VllmDevice, ceil_pages, factory, page_aligned
+from hiradix.conformance.adapters.vllm_offload import VllmOffload
 from hiradix.conformance.differential import engine_values
 from hiradix.conformance.infer import left_device
 from hiradix.conformance.machine import EXERCISED, describe_difference
@@ -35,13 +36,15 @@ tokens = st.lists(st.integers(1, 3), min_size=1, max_size=14).map(tuple)
 namespaces = st.sampled_from([None, None, "b"])
 
 
-def make_machine(engine: str, scenario: Scenario,
-                 tally: Tally | None = None) -> type[RuleBasedStateMachine]:
-    """A state machine class driving a fresh vLLM device cache per example."""
+def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
+                 host_policy: str = "lru") -> type[RuleBasedStateMachine]:
+    """A state machine class driving a fresh vLLM cache per example: ``vllm`` (device
+    only) or ``vllm-offload`` (with the CPU tier under ``host_policy``, lru or arc)."""
     if engine not in ("vllm", "vllm-offload"):
         raise ValueError(f"engine: the vLLM machine drives 'vllm' or 'vllm-offload', "
                          f"got {engine!r}")
-    build = factory(engine, scenario)
+    build = factory(engine, scenario) if engine == "vllm" else (
+        lambda: VllmOffload(scenario, host_policy))
     counts = tally if tally is not None else Tally()
 
     class VllmDifferential(Recording, RuleBasedStateMachine):

@@ -209,13 +209,11 @@ class VllmOffload(VllmDevice):
         seen = super().observe(model)
         pages = dict(seen.pages)
         self.page_ticks.update({k: (p.last_tick, p.insert_tick) for k, p in pages.items()})
-        policy = self.host._policy
-        for key, chunk in list(policy.chunks.items()):
-            page = self.pages_by_hash.get(bytes(_modules()["offload_base"]
-                                                .get_offload_block_hash(key)))
-            if page is None:
-                raise AssertionError("vllm-offload: a chunk is stored under a hash no "
-                                     "request of this run produced")
+        # Every key the run offered, through the policy's own lookup (LRU and ARC alike).
+        for page in list(self.hash_of):
+            chunk = self.host._policy.get(self.offload_key(page))
+            if chunk is None:
+                continue
             host = self.host_slots(chunk.chunk_id)
             protect = chunk.ref_cnt if chunk.is_ready else 0
             old = pages.get(page)
