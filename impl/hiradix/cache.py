@@ -99,6 +99,7 @@ class HiRadixCache:
         # reset under it and drops what it held of the old tree (spec/09, 9.4).
         self.on_reset: Callable[[], None] | None = None
         self._threshold = backup_threshold(config.write_policy)
+        self._offsets = torch.arange(self.page_size, dtype=torch.int64)  # within a page
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -111,7 +112,6 @@ class HiRadixCache:
         self.device_pool.reset()
         self.host_pool.reset()
         self.root = TreeNode(self, None, (), None)  # owns no slots, is never evicted
-        self._offsets = torch.arange(self.page_size, dtype=torch.int64)  # within a page
         # Which device slots a node owns: tells a caller's slot from the tree's in O(1).
         self._device_owned = torch.zeros(self.device_pool.num_slots, dtype=torch.bool)
         self.evictable_tokens = 0

@@ -77,15 +77,21 @@ def _request(state: State, key: Key, now: int, load: bool, keep_lock: bool) -> S
         return ops.inc_lock_ref(state, match.last_device_page)[0]
     cached = len(match.device_slots)
     need = len(key.tokens) - cached
-    if need > len(state.device_free):
-        shortfall = need - len(state.device_free)
+    ps = state.config.page_size
+    whole = -(-need // ps) * ps  # an allocator hands out whole pages (spec/03, R7)
+    if whole > len(state.device_free):
+        shortfall = whole - len(state.device_free)
         state, _ = ops.evict(state, shortfall, choosers.choose_evict(state, shortfall,
                                                                      random.Random(0)))
-    if need > len(state.device_free):
+        state, match = ops.match_prefix(state, key, now)  # the eviction may have taken some
+        cached = len(match.device_slots)
+        need = len(key.tokens) - cached
+        whole = -(-need // ps) * ps
+    if whole > len(state.device_free):
         return state
-    new = tuple(sorted(state.device_free)[:need])
+    new = choosers.free_pages(state.device_free, need, random.Random(0), ps)
     state, _ = ops.alloc(state, key, cached, new)
-    slots = match.device_slots + new
+    slots = match.device_slots + new[:need]
     backup = choosers.choose_insert_backup(state, key, slots, now, random.Random(0))
     state, _ = ops.insert(state, key, slots, now, backup=backup)
     return ops.free(state, tuple(s for s in new if s in state.held))[0]
