@@ -1,0 +1,214 @@
+"""SGLang 0.5.23's UnifiedRadixCache on its Rust tree core against the model.
+
+Run from the 0.5.23 environment: ``make sglang23-env``, then
+``HIRADIX_PROFILE=ci .venv-sglang23/bin/python -m pytest -q tests/engines/test_sglang_rust.py``.
+Skipped where SGLang is not installed or is not 0.5.23 (the Rust core ships with 0.5.23);
+where it is 0.5.23 and the adapter cannot drive it, every test fails.
+
+Besides bounded differential runs, each check the adapter's partial observation makes
+(``SglangRustAdapter.observe``, module docstring) is shown to fail on a wrong model or a
+tampered engine: a check that cannot fail would hide a divergence.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from hiradix.conformance.abstraction import CORRUPT
+from hiradix.conformance.adapters import factory
+from hiradix.conformance.differential import make_differential
+from hiradix.conformance.scenario import Scenario
+from hiradix_model import Key, State, trace
+
+ENGINE = "sglang-unified-rust"
+
+
+@pytest.fixture(autouse=True)
+def rust_tree_core() -> None:
+    """Skip where SGLang is absent or not 0.5.23; otherwise the adapter must probe clean."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed here (make sglang23-env)")
+    if importlib.metadata.version("sglang") != "0.5.23":
+        pytest.skip("the Rust tree core ships with sglang 0.5.23")
+    from hiradix.conformance.adapters.sglang_rust import probe
+    probe(ENGINE)  # EngineUnavailable here is a broken environment: the test fails
+
+
+SCENARIOS = [Scenario(page_size=ps, eviction=strategy)  # type: ignore[arg-type]
+             for ps, strategy in [(1, "lru"), (2, "lfu"), (4, "fifo"), (2, "priority"),
+                                  (1, "mru")]]
+
+
+def bounded() -> settings:
+    current = settings()
+    return settings(current, max_examples=max(1, current.max_examples // 15))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.slug())
+def test_the_rust_core_refines_the_model(scenario: Scenario) -> None:
+    run_state_machine_as_test(make_differential(factory(ENGINE, scenario)), settings=bounded())
+
+
+def _machine(page_size: int = 1) -> Any:
+    """The differential machine after three requests that share a prefix, one of whose
+    locks the caller keeps: pages on device, locked and unlocked, caller-held slots."""
+    machine = make_differential(factory(ENGINE, Scenario(page_size=page_size)))()
+    for tokens, keep in [((1, 2, 3, 1), True), ((1, 2, 3, 2, 2), False), ((3, 1), False)]:
+        tokens = tokens[:len(tokens) - len(tokens) % page_size]
+        machine.request(tokens=tokens, namespace=None, dt=1, chunked=False, priority=0,
+                        keep_lock=keep)
+        machine.engine_refines_the_model()
+    assert any(p.lock for p in machine.model.pages.values()), "no locked page to test with"
+    return machine
+
+
+def _differs(machine: Any, wrong: State) -> None:
+    """The comparison of the engine with ``wrong`` in place of the model must fail."""
+    machine.model = wrong
+    with pytest.raises(AssertionError, match="disagree"):
+        machine.engine_refines_the_model()
+    machine.teardown()
+
+
+def _some_page(state: State, locked: bool) -> Key:
+    return next(k for k, p in sorted(state.pages.items(), key=lambda kp: kp[0].tokens)
+                if bool(p.lock) == locked)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_a_fixed_run_agrees_and_replays(page_size: int) -> None:
+    machine = _machine(page_size)
+    machine.unlock(index=0)
+    machine.evict(num_tokens=4)
+    machine.engine_refines_the_model()
+    machine.teardown()
+    lines = [trace.header(machine.engine.config, ENGINE),
+             *(step.to_json() for step in machine.trace)]
+    assert trace.replay(lines) == (len(lines) - 1, None)
+
+
+def test_wrong_device_slots_are_caught() -> None:
+    machine = _machine()
+    model = machine.model
+    a, b = sorted((k for k, p in model.pages.items() if p.device), key=lambda k: k.tokens)[:2]
+    pages = dict(model.pages)
+    pages[a], pages[b] = (replace(pages[a], device=pages[b].device),
+                          replace(pages[b], device=pages[a].device))
+    _differs(machine, replace(model, pages=pages))
+
+
+def test_a_wrong_lock_count_is_caught() -> None:
+    machine = _machine()
+    key = _some_page(machine.model, locked=True)
+    pages = dict(machine.model.pages)
+    pages[key] = replace(pages[key], lock=pages[key].lock + 1)
+    _differs(machine, replace(machine.model, pages=pages))
+
+
+def test_a_lock_the_model_lacks_is_caught() -> None:
+    machine = _machine()
+    key = _some_page(machine.model, locked=False)
+    pages = dict(machine.model.pages)
+    pages[key] = replace(pages[key], lock=1)
+    _differs(machine, replace(machine.model, pages=pages))
+
+
+def test_a_missing_page_is_caught() -> None:
+    machine = _machine()
+    key = max(machine.model.pages, key=lambda k: len(k.tokens))
+    pages = {k: p for k, p in machine.model.pages.items() if k != key}
+    _differs(machine, replace(machine.model, pages=pages))
+
+
+def test_wrong_free_slots_are_caught() -> None:
+    machine = _machine()
+    free = sorted(machine.model.device_free)
+    _differs(machine, replace(machine.model, device_free=frozenset(free[1:])))
+
+
+def test_wrong_totals_are_caught() -> None:
+    machine = _machine()
+    model = machine.model
+    _differs(machine, replace(model, evictable_tokens=model.evictable_tokens + 1))
+
+
+def test_wrong_protected_total_is_caught() -> None:
+    machine = _machine()
+    model = machine.model
+    _differs(machine, replace(model, protected_tokens=model.protected_tokens + 1))
+
+
+def test_kv_bytes_the_engine_lost_are_caught() -> None:
+    """A page's KV overwritten in the device pool reads as corrupt."""
+    machine = _machine()
+    adapter = machine.engine
+    key = _some_page(machine.model, locked=False)
+    slot = machine.model.pages[key].device[0]
+    for layer in range(len(adapter.kv.k_buffer)):
+        adapter.kv.k_buffer[layer][slot + adapter.ps] += 1
+    seen = adapter.observe(machine.model)
+    assert seen.device_kv[slot] == CORRUPT
+    with pytest.raises(AssertionError):
+        machine.engine_refines_the_model()
+    machine.teardown()
+
+
+def test_a_wrong_match_is_caught() -> None:
+    """What match_prefix returns is compared: a model that lost a page disagrees."""
+    machine = _machine()
+    key = max(machine.model.pages, key=lambda k: len(k.tokens))
+    machine.model = replace(machine.model, pages={k: p for k, p in machine.model.pages.items()
+                                                  if k != key})
+    with pytest.raises(AssertionError, match="match_prefix"):
+        machine.request(tokens=key.tokens, namespace=key.namespace, dt=1, chunked=False,
+                        priority=0, keep_lock=False)
+    machine.teardown()
+
+
+def test_a_wrong_lock_delta_is_caught() -> None:
+    """inc_lock_ref's delta is compared: a model whose page is already locked expects
+    none, the engine protects the page's tokens."""
+    machine = _machine()
+    key = _some_page(machine.model, locked=False)
+    pages = {k: replace(p, lock=p.lock + 1) if k.tokens == key.tokens[:len(k.tokens)]
+             and k.namespace == key.namespace else p for k, p in machine.model.pages.items()}
+    machine.model = replace(machine.model, pages=pages)
+    with pytest.raises(AssertionError, match="inc_lock_ref"):
+        machine.request(tokens=key.tokens, namespace=key.namespace, dt=1, chunked=False,
+                        priority=0, keep_lock=False)
+    machine.teardown()
+
+
+def test_a_slot_the_tree_owns_freed_behind_its_back_fails_the_audit() -> None:
+    """The reading is audited against the engine's own counters: a tree slot also on
+    the free list breaks it."""
+    machine = _machine()
+    adapter = machine.engine
+    slot = machine.model.pages[_some_page(machine.model, locked=False)].device[0]
+    adapter.allocator.free(torch.tensor([slot + adapter.ps]))
+    with pytest.raises(AssertionError):
+        adapter.observe(machine.model)
+    machine.teardown()
+
+
+def test_unobservable_fields_are_declared_and_only_those_come_from_the_model() -> None:
+    machine = _machine()
+    adapter = machine.engine
+    assert set(adapter.unobservable) == {"hits", "last_tick", "insert_tick", "priority"}
+    assert not adapter.adopted
+    # A model with other values in the unobservable fields: observe echoes them, and
+    # nothing else moves.
+    pages = {k: replace(p, hits=p.hits + 5, last_tick=p.last_tick + 5, priority=7)
+             for k, p in machine.model.pages.items()}
+    shifted = replace(machine.model, pages=pages)
+    seen = adapter.observe(shifted)
+    assert seen == shifted
+    machine.teardown()
