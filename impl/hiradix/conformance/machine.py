@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hiradix.cache import HiRadixCache, MatchResult
 from hiradix.clock import ManualClock
 from hiradix.conformance.abstraction import abstract, page_keys
+from hiradix.conformance.coverage import tally_states
 from hiradix.conformance.kv import patterns
 from hiradix.conformance.recording import Recording
 from hiradix.conformance.scenario import Scenario
@@ -112,6 +113,19 @@ def describe_difference(impl: State, model: State) -> str:
 
 
 tokens = st.lists(st.integers(1, 3), max_size=14).map(tuple)
+
+
+def keys_for(page_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+    """Request tokens that share whole pages at this page size. Up to 14 tokens over
+    three values do at small pages; at larger ones a key is up to three pages each drawn
+    from three fixed page-long runs, and a tail of up to a page and two tokens, so that
+    page size 16 caches, matches, splits and evicts as often as page size 2."""
+    if page_size <= 4:
+        return tokens
+    runs = [tuple((start + i) % 3 + 1 for i in range(page_size)) for start in range(3)]
+    return st.tuples(st.lists(st.sampled_from(runs), max_size=3),
+                     st.lists(st.integers(1, 3), max_size=page_size + 2)).map(
+        lambda parts: tuple(t for run in parts[0] for t in run) + tuple(parts[1]))
 namespaces = st.sampled_from([None, None, "b"])
 
 
@@ -175,7 +189,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
 
         # -- the operations ------------------------------------------------------------
 
-        @rule(tokens=tokens, namespace=namespaces, dt=st.integers(0, 2),
+        @rule(tokens=keys_for(scenario.page_size), namespace=namespaces, dt=st.integers(0, 2),
               chunked=st.booleans(), priority=st.integers(0, 2), keep_lock=st.booleans(),
               quota=st.none() | st.integers(0, 24))
         def request(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
@@ -267,7 +281,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             model_delta = self.step("dec_lock_ref", ops.dec_lock_ref, self.page_of(node))
             self.agree(engine_delta, model_delta)
 
-        @rule(pages=st.integers(1, 3), tokens=tokens)
+        @rule(pages=st.integers(1, 3), tokens=keys_for(scenario.page_size))
         def hold(self, pages: int, tokens: tuple[int, ...]) -> None:
             slots = self.cache.device_pool.alloc(pages * self.cache.page_size)
             if slots is None:
@@ -349,7 +363,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
 
         # -- caller slots laid out other than whole pages in order (spec/03, R7) ---------
 
-        @rule(tokens=tokens, namespace=namespaces, how=st.sampled_from(choosers.LAYOUTS))
+        @rule(tokens=keys_for(scenario.page_size), namespace=namespaces,
+              how=st.sampled_from(choosers.LAYOUTS))
         def scrambled_insert_slots(self, tokens: tuple[int, ...], namespace: str | None,
                                    how: str) -> None:
             """Insert's slots interleaved, shifted, reversed, with the partial tail at the
@@ -453,6 +468,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 raise AssertionError("implementation and model disagree:\n"
                                      + describe_difference(seen, self.model))
             counts.checks += 1
+            tally_states(counts.states, self.model)
             for spec_id, busy in EXERCISED.items():
                 if busy(self.model):
                     counts.exercised[spec_id] += 1
