@@ -471,6 +471,8 @@ class SglangRustAdapter:
         flat = set(self._from_engine(self.core.all_values_flatten()))
         assert flat == owned, f"all_values_flatten {sorted(flat)} != nodes {sorted(owned)}"
         assert len(device_free) == self.allocator.available_size()
+        both = sorted(owned & device_free)
+        assert not both, f"slots {both} are in the tree and on the free list"
 
     def close(self) -> None:
         self.receipts.clear()
