@@ -231,3 +231,26 @@ def test_dev_v7_host_eviction_takes_the_copy_of_a_page_on_device() -> None:
     with pytest.raises(IllegalChoice, match="host_slots"):
         machine.request(tokens=(1, 1, 1, 1, 3), namespace=None, dt=1, keep=False)
     assert machine.model.pages[Key((1, 2, 1, 1))].device is not None
+
+
+def test_dev_v8_a_store_without_room_for_all_of_it_evicts_nothing() -> None:
+    """spec/10 DEV-V8 on the host, reproduced: when its evictable chunks cannot cover the
+    whole offer, ``prepare_store`` stores nothing and evicts nothing; the spec makes host
+    room from every host-only leaf first (R2), so the model rejects the empty report.
+    If this fails, vLLM now evicts what it can: update DEV-V8."""
+    from hiradix_model.errors import IllegalChoice
+
+    machine = make_machine("vllm-offload", Scenario(page_size=2, device_pages=6,
+                                                    host_pages=4))()
+    machine.request(tokens=(1, 1), namespace=None, dt=0, keep=False)
+    machine.request(tokens=(1, 2, 1, 1, 1, 1, 1, 1, 1, 1), namespace=None, dt=0, keep=False)
+    machine.writing_check()  # (1, 1) stored; the long request found no device room
+    machine.engine_refines_the_model()
+    # Now it does: it evicts (1, 1) to host, then offers five pages to a host with three
+    # free chunks and one evictable (the host copy of (1, 1), host-only by then).
+    with pytest.raises(IllegalChoice, match="stopped at 0 of 4 tokens"):
+        machine.request_again(dt=0, index=1)
+    engine = machine.engine
+    chunk = engine.host._policy.get(engine.offload_key(Key((1, 1))))  # type: ignore[attr-defined]
+    assert chunk is not None and chunk.is_ready, "vLLM evicted nothing"
+    assert not engine.stores, "and stored nothing"  # type: ignore[attr-defined]

@@ -15,6 +15,8 @@ free-block counter (INV-ACCOUNTING, ``counter_problems``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -34,6 +36,14 @@ from hiradix_model.ops.insert import insert_pages
 
 tokens = st.lists(st.integers(1, 3), min_size=1, max_size=14).map(tuple)
 namespaces = st.sampled_from([None, None, "b"])
+
+
+def evicted(state: State, gone: set[Key]) -> State:
+    """``state`` after its pages ``gone`` lost their device copies (write-through: a page
+    with a host copy becomes host-only, one without is deleted)."""
+    pages = {k: replace(p, device=None) if k in gone else p for k, p in state.pages.items()
+             if k not in gone or p.host is not None}
+    return replace(state, pages=pages)
 
 
 def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
@@ -123,14 +133,18 @@ def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
             if not host_pages:
                 self.step("inc_lock_ref", ops.inc_lock_ref, locked)
             shortfall = max(0, len(new) - len(self.model.device_free))
-            if shortfall or left_device(before, after):
+            gone = left_device(before, after)
+            if shortfall or gone:
                 victims = infer.device_victims(self.model, before, after, shortfall)
                 self.step("evict", ops.evict, shortfall, victims)
             self.step("alloc", ops.alloc, key, len(prefix), new)
             slots = prefix + new[:need]
             draft = Draft(self.model)
             _, due = insert_pages(draft, key, slots, now, 0, False)
-            report = infer.backup(self.model, before, after, backup_run(draft, due))
+            # The store's host victims are judged after the device eviction of the same
+            # call: a page that lost its device copy there is host-only by then.
+            report = infer.backup(self.model, evicted(before, gone), after,
+                                  backup_run(draft, due))
             self.step("insert", ops.insert, key, slots, now, priority=0, chunked=False,
                       backup=report)
             full = len(key.tokens) // ps * ps
