@@ -46,10 +46,18 @@ def evicted(state: State, gone: set[Key]) -> State:
     return replace(state, pages=pages)
 
 
+ROOMY_HOST = 256  # host pages: more than a bounded campaign ever stores (DEV-V7, DEV-V8)
+
+
 def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
-                 host_policy: str = "lru") -> type[RuleBasedStateMachine]:
+                 host_policy: str = "lru",
+                 host_eviction: bool = False) -> type[RuleBasedStateMachine]:
     """A state machine class driving a fresh vLLM cache per example: ``vllm`` (device
-    only) or ``vllm-offload`` (with the CPU tier under ``host_policy``, lru or arc)."""
+    only) or ``vllm-offload`` (with the CPU tier under ``host_policy``, lru or arc).
+    Unless ``host_eviction``, the host gets ``ROOMY_HOST`` pages, so that a campaign
+    steers clear of vLLM's host eviction (DEV-V7, DEV-V8) and goes on to find others."""
+    if engine == "vllm-offload" and not host_eviction:
+        scenario = replace(scenario, host_pages=max(scenario.host_pages, ROOMY_HOST))
     if engine not in ("vllm", "vllm-offload"):
         raise ValueError(f"engine: the vLLM machine drives 'vllm' or 'vllm-offload', "
                          f"got {engine!r}")

@@ -72,6 +72,10 @@ class VllmOffload(VllmDevice):
                        "load": "allocate_slots(external tokens, delay_cache_blocks), "
                                "prepare_load, complete_load, cache_blocks = init_load_back "
                                "then loading_check"}
+        self.avoid = {**self.avoid,
+                      "host_eviction": "DEV-V7, DEV-V8: the host tier evicts by its own "
+                                       "policy, not the tree's leaves, and all or nothing; "
+                                       "vllm_machine gives the host room enough"}
 
     # -- keys -----------------------------------------------------------------------------
 
