@@ -253,10 +253,7 @@ class SglangUnifiedAdapter(SglangAdapter):
         self.cache, self.kv, self.allocator, self.host = (built.cache, built.kv,
                                                           built.allocator, built.host)
         self.tree = self.cache.tree_core
-        core_cls = self.m["core"].UnifiedTreeCore
-        if type(self.tree) is not core_cls:
-            raise EngineUnavailable(f"{self.name}: asked for the Python tree core, got "
-                                    f"{type(self.tree).__name__} ({SETUP})")
+        self._check_core()
         self.full = self.m["components"].ComponentType.FULL
         # A configuration attribute SGLang fixes at 10 tokens (spec/01).
         self.cache.load_back_threshold = scenario.threshold_pages * ps
@@ -298,6 +295,12 @@ class SglangUnifiedAdapter(SglangAdapter):
         self.issued = 0
         self.receipts: dict[Key | None, list[Any]] = {}  # caller locks, per page (LIFO)
         self.freed_by_tree: set[int] = set()
+
+    def _check_core(self) -> None:
+        """The tree core asked for is the one built (SGLang may fall back silently)."""
+        if type(self.tree) is not self.m["core"].UnifiedTreeCore:
+            raise EngineUnavailable(f"{self.name}: asked for the Python tree core, got "
+                                    f"{type(self.tree).__name__} ({SETUP})")
 
     def _order_leaf_sets(self) -> None:
         """DEV-20: SGLang's leaf sets hash nodes by address; the tree core rebuilds
@@ -443,9 +446,10 @@ class SglangUnifiedAdapter(SglangAdapter):
         # at, and no SWA / Mamba host hits (FULL is the only component).
         req = SimpleNamespace(rid="hiradix", last_node=cursor.id, swa_host_hit_length=0,
                               mamba_host_hit_length=0, kv=SimpleNamespace(mamba_pool_idx=None))
-        _, last = self.cache.init_load_back(self.m["base"].InitLoadBackParams(
+        got, last = self.cache.init_load_back(self.m["base"].InitLoadBackParams(
             best_match_node=node.id, host_hit_length=host_hit, mem_quota=quota, req=req))
-        loaded: tuple[int, ...] = ()
+        # 0.5.20 returns the loaded device indices, 0.5.23 their number.
+        loaded = from_engine(got, self.ps) if self.v20 else ()
         if node.id in self.cache.ongoing_load_back:
             # SGLang queues a load and starts it when the scheduler says the batch is
             # ready; the spec's load_back issues the copy: both halves, as a scheduler does.
@@ -453,7 +457,12 @@ class SglangUnifiedAdapter(SglangAdapter):
             self.issued += 1
             self.loads[node.id] = (self.issued,
                                    tuple(k for n in chain for k in self._page_keys(n)))
-            loaded = tuple(s for n in chain for s in from_engine(self._data(n).value, self.ps))
+            if not self.v20:
+                loaded = tuple(s for n in chain for s in from_engine(self._data(n).value,
+                                                                     self.ps))
+                if len(loaded) != got:
+                    raise AssertionError(f"{self.name}: init_load_back reported {got} tokens "
+                                         f"loaded, the chain holds {len(loaded)}")
         return loaded, self._page_of(self.tree.node_by_id(last))
 
     def reset(self) -> None:
