@@ -10,8 +10,11 @@ SGLang silently falls back to the Python core when the Rust one cannot run
 class after construction and refuses a fallback.
 
 Scope: the device tier only (``tree_components=(FULL,)``, no ``init_hicache``): the
-operations RadixCache has. The hierarchical half is left open (see DEV-R notes in
-spec/07r-rust-core.md).
+operations RadixCache has. The hierarchical half is left open; the binding's host-side
+reads (``build_storage_backup_spec(h, False).host_value`` for a backed-up node,
+``build_load_back_spec(h)`` for a host-only chain) were tried and work on CPU. Shared with
+``sglang_unified``: ``prepare`` (CPU patches), ``radix_key``, ``to_engine``/``from_engine``;
+its ``build`` always attaches HiCache, so the device-tier cache is built here.
 
 What the Rust core shows to Python (0.5.23, read off ``rust_tree_core/adapter.py`` and
 the binding, then tried here):
@@ -41,15 +44,19 @@ host slots per node              ``build_storage_backup_spec(h, False).host_valu
                                  backed-up node; read-only); unused on the device tier
 lock refs per node               only in ``pretty_print()`` (Rust stdout:
                                  ``[h] len full_lock=N Full=yes``): parsed from fd 1
+                                 (DEV-R2); ``walk_for_kv_canary(True)`` only tells
+                                 locked from unlocked slots
+host lock refs per node          not exposed (unused on the device tier)
 tokens / namespace per node      not exposed: decoded from the KV bytes at the node's
                                  slots, which name their content (spec/06 KV codebook)
-hits, ticks, priority            not exposed anywhere (no accessor, not in pretty_print)
+hits, ticks, priority            not exposed anywhere (no accessor, not in pretty_print,
+                                 the clock is Rust's own): spec/07r DEV-R1
 KV bytes                         the device pool's ``k_buffer``/``v_buffer`` (Python)
 ==============================  ==========================================================
 
 How ``observe`` is built (partial observation): the suite compares whole ``State``\\s,
-but three per-page fields (``hits``, ``last_tick``, ``insert_tick``, ``priority``:
-``unobservable``) cannot be read from the Rust core. ``observe`` therefore
+but four per-page fields (``hits``, ``last_tick``, ``insert_tick``, ``priority``: the
+adapter's ``unobservable``) cannot be read from the Rust core. ``observe`` therefore
 
 1. reads every field it can from the engine -- the pages (from the node scan and the KV
    bytes), their device slots and lock counts, free and held slots, the KV bytes at
@@ -57,14 +64,17 @@ but three per-page fields (``hits``, ``last_tick``, ``insert_tick``, ``priority`
 2. checks, with assertions, what the engine's own counters say about that reading:
    the evictable and protected totals recomputed from the node scan equal
    ``evictable_size()``/``protected_size()``, the tree's slots equal
-   ``all_values_flatten()``, and the free count equals ``available_size()``;
+   ``all_values_flatten()``, the free count equals ``available_size()``, and no slot is
+   both in the tree and on the free list;
 3. fills only the ``unobservable`` fields from the model's page of the same key
    (zero for a page the model lacks, which the comparison then reports anyway).
 
 So a wrong recency, hit count or priority in the engine is invisible here except
 through its consequences, which are compared: which pages an eviction removes (the
 suite infers victims from observed pages and the model checks the choice), what a
-match returns, and the lock deltas.
+match returns, and the lock deltas. The other side of that coin: DEV-1 / DEV-4, which
+other SGLang adapters adopt, cannot be adopted here, so a choice that ties on recency
+after a split is reported as a divergence (spec/07r DEV-R1).
 """
 
 from __future__ import annotations
@@ -445,7 +455,8 @@ class SglangRustAdapter:
         for key, (slots, lock) in read.items():
             known = model.pages.get(key) or Page(None, None)
             pages[key] = Page(device=self._from_engine(torch.tensor(slots)), host=None,
-                              lock=lock, host_protect=known.host_protect, hits=known.hits,
+                              lock=lock, host_protect=0,  # no host tier: nothing to protect
+                              hits=known.hits,
                               last_tick=known.last_tick, insert_tick=known.insert_tick,
                               priority=known.priority)
         device_free = self._free_device()
