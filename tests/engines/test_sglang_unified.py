@@ -9,17 +9,19 @@ Skipped where SGLang is not installed; an installed SGLang the adapter cannot dr
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from hiradix.cli import main
 from hiradix.conformance.adapters import factory, probe
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.tally import Tally
-from hiradix_model import Key, initial
+from hiradix_model import Key, initial, trace
 
 ENGINE = "sglang-unified"
 
@@ -59,6 +61,19 @@ def test_the_campaign_reaches_loads_backups_and_both_evictions() -> None:
     for op in ("init_load_back", "loading_check", "writing_check", "evict", "evict_host",
                "insert", "dec_lock_ref"):
         assert tally.ops[op] > 0, f"no {op} in {dict(tally.ops)}"
+
+
+def test_a_trace_recorded_from_the_unified_cache_replays_clean(tmp_path: Path,
+                                                               sglang_installed: str) -> None:
+    """spec/08: the run as a trace, adopt directives included, that the model accepts."""
+    path = tmp_path / "unified.jsonl"
+    assert main(["check", "--engine", ENGINE, "--examples", "8", "--steps", "30",
+                 "--page-sizes", "1", "--record", str(path)]) == 0
+    lines = path.read_text().splitlines()
+    assert f'"engine": "{ENGINE} {sglang_installed}"' in lines[0]
+    applied, finding = trace.replay(lines)
+    assert finding is None, finding
+    assert applied == len(lines) - 1
 
 
 def test_the_python_tree_core_is_the_one_under_test() -> None:
