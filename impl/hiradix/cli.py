@@ -40,6 +40,7 @@ COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance mach
 DIFFERENTIAL_POLICIES = ("write_through", "write_through_selective")
 
 
+VLLM_ENGINES = ("vllm", "vllm-offload")
 STORAGE = (None, "memory", "file")  # ours: no tier, or a tier over this backend
 
 
@@ -70,6 +71,10 @@ def machine_for(engine: str, scenario: Scenario,
         if scenario.storage is not None:
             return make_storage_machine(scenario, tally, tally.faults)
         return make_machine(scenario, tally)
+    if engine in VLLM_ENGINES:
+        # vLLM's API (request-level allocate/free) needs a machine of its own.
+        from hiradix.conformance.vllm_machine import make_machine as make_vllm_machine
+        return make_vllm_machine(engine, scenario, tally)
     return make_differential(factory(engine, scenario), tally)
 
 
@@ -86,6 +91,11 @@ def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled"
                   "from hiradix.conformance.scenario import Scenario", "",
                   f"Machine = make_machine({scenario!r})", "state = Machine()",
                   "state.refines_the_model()"]
+    elif engine in VLLM_ENGINES:
+        header = ["from hiradix.conformance.scenario import Scenario",
+                  "from hiradix.conformance.vllm_machine import make_machine", "",
+                  f"Machine = make_machine({engine!r}, {scenario!r})", "state = Machine()",
+                  "state.engine_refines_the_model()"]
     else:
         header = ["from hiradix.conformance.adapters import factory",
                   "from hiradix.conformance.differential import make_differential",

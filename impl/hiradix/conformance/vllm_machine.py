@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hiradix.conformance import infer
 from hiradix.conformance.adapters.vllm import VllmDevice, ceil_pages, factory, page_aligned
 from hiradix.conformance.adapters.vllm_offload import VllmOffload
+from hiradix.conformance.coverage import tally_states
 from hiradix.conformance.differential import engine_values
 from hiradix.conformance.infer import left_device
 from hiradix.conformance.machine import EXERCISED, describe_difference
@@ -249,6 +250,7 @@ def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
             counter = self.engine.counter_problems(seen)
             assert not counter, f"vllm breaks INV-ACCOUNTING: {counter}"
             counts.checks += 1
+            tally_states(counts.states, self.model)
             for spec_id, busy in EXERCISED.items():
                 if busy(self.model):
                     counts.exercised[spec_id] += 1
