@@ -121,6 +121,21 @@ def _transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence
         dst.index_copy_(0, dst_indices.to(torch.int64), src.index_select(0, src_indices))
 
 
+def patch_for_cpu(host_module: Any) -> Any:
+    """Steps 2 to 4 of the module docstring, shared by every SGLang adapter: host pools
+    unpinned, the direct transfer as ``index_copy_``, one gloo rank. The process group
+    the caches all-reduce over."""
+    host_cls = host_module.MHATokenToKVPoolHost
+    defaults = list(host_cls.__init__.__defaults__)
+    defaults[0] = False  # pin_memory: pinning needs CUDA
+    host_cls.__init__.__defaults__ = tuple(defaults)
+    host_module.transfer_kv_direct = _transfer_kv_direct
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
+    return torch.distributed.new_group([0], backend="gloo")
+
+
 def _prepare() -> _Sglang:
     global _ENV
     if _ENV is not None:
@@ -142,15 +157,7 @@ def _prepare() -> _Sglang:
     env = _Sglang(LogicalTime(), {k: importlib.import_module(v) for k, v in names.items()})
     env.modules["radix"].time = env.clock
     env.modules["hi"].time = env.clock
-    host_cls = env.modules["host"].MHATokenToKVPoolHost
-    defaults = list(host_cls.__init__.__defaults__)
-    defaults[0] = False  # pin_memory
-    host_cls.__init__.__defaults__ = tuple(defaults)
-    env.modules["host"].transfer_kv_direct = _transfer_kv_direct
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
-                                             rank=0, world_size=1)
-    env.group = torch.distributed.new_group([0], backend="gloo")
+    env.group = patch_for_cpu(env.modules["host"])
     _ENV = env
     return env
 

@@ -50,7 +50,7 @@ from hiradix.conformance.adapters.sglang import (
     SglangAdapter,
     _InsertionOrdered,
     _Run,
-    _transfer_kv_direct,
+    patch_for_cpu,
 )
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State, Transfer, ops
@@ -130,15 +130,7 @@ def prepare() -> UnifiedEnv:
                      {k: importlib.import_module(v) for k, v in _MODULES.items()})
     # The tree core imported the counter by name: the name it calls is the one to replace.
     env.modules["core"].get_and_increase_time_counter = env.clock.counter
-    host_cls = env.modules["host"].MHATokenToKVPoolHost
-    defaults = list(host_cls.__init__.__defaults__)
-    defaults[0] = False  # pin_memory: pinning needs CUDA
-    host_cls.__init__.__defaults__ = tuple(defaults)
-    env.modules["host"].transfer_kv_direct = _transfer_kv_direct
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
-                                             rank=0, world_size=1)
-    env.group = torch.distributed.new_group([0], backend="gloo")
+    env.group = patch_for_cpu(env.modules["host"])
     _ENV = env
     return env
 
