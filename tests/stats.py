@@ -33,11 +33,12 @@ class Stepping:
         self.tally["loads that copied"] += bool(loaded)
 
     def serve(self, key: Key, rng: random.Random, ticks: tuple[int, int, int], *,
-              priority: int = 0, chunked: bool = False) -> MatchResult:
+              priority: int = 0, chunked: bool = False, counted_pages: int = 0) -> MatchResult:
         """Match (loading a host hit back and matching again), lock, evict the
         shortfall, allocate, insert and free the duplicates; ``ticks`` advance the clock
         before the first match, the second and the insert. Returns the match whose last
-        device page is now locked: the caller releases or keeps the lock."""
+        device page is now locked: the caller releases or keeps the lock. The insert counts
+        from ``counted_pages`` pages on, modulo the key's pages + 1 (spec/03 3.5)."""
         first, again, insert = ticks
         match = self.apply("match_prefix", ops.match_prefix, key, self.tick(first))
         assert isinstance(match, MatchResult)
@@ -58,10 +59,14 @@ class Stepping:
             self.apply("alloc", ops.alloc, key, cached, new)
             slots = match.device_slots + new[:need]
             now = self.tick(insert)
+            aligned = len(key.tokens) // ps * ps
+            counted_from = counted_pages % (aligned // ps + 1) * ps
+            self.tally["inserts counting from inside the key"] += 0 < counted_from < aligned
             backup = choosers.choose_insert_backup(self.state, key, slots, now, rng,
-                                                   priority=priority, chunked=chunked)
+                                                   priority=priority, chunked=chunked,
+                                                   counted_from=counted_from)
             result = self.apply("insert", ops.insert, key, slots, now, priority=priority,
-                                chunked=chunked, backup=backup)
+                                chunked=chunked, counted_from=counted_from, backup=backup)
             assert isinstance(result, ops.InsertResult)
             assert result.prefix_tokens == cached
             self.apply("free", ops.free, tuple(s for s in new if s in self.state.held))

@@ -319,20 +319,29 @@ class HiRadixCache:
             raise InvalidArgument("slots", "holds a slot twice")
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
-               chunked: bool = False) -> int:
+               chunked: bool = False, counted_from: int = 0) -> int:
         """Cache ``key`` (KV in ``slots``); return the tokens that were already cached.
 
         The caller frees its own slots for those tokens (the duplicates) and for the
         partial tail page. Pages that reach the policy's hit threshold are backed up.
+        ``counted_from`` (a page multiple, at most the page-aligned length) is what this
+        request inserted before: pages ending there or earlier count no hit and are not
+        due; ``chunked`` counts none at all (spec/03 3.5).
         """
         key = self._require_key(key)
         slots = self._require_slots(slots, len(key.tokens), "slots")
         if not isinstance(priority, int):
             raise InvalidArgument("priority", "must be an int")
         aligned = key.aligned_length(self.page_size)
+        self._require_counted_from(counted_from, aligned)
         self._check_insert_slots(key, slots, aligned)
         now = self._now()
+        counted = aligned if chunked else counted_from
+        if 0 < counted < aligned:
+            # Hits are per node: put a node boundary at ``counted`` (splits are unobservable).
+            self._descend(key, counted)
         touched = self._descend(key, aligned)
+        counting: list[TreeNode] = []  # the nodes this insert counts: those from ``counted`` on
         prefix = 0
         start = 0
         for node in touched:
@@ -340,25 +349,49 @@ class HiRadixCache:
             node.priority = max(node.priority, priority)
             if node.device is not None:
                 prefix += len(node.tokens)
-                node.hits += 0 if chunked else 1
+                if start >= counted:
+                    node.hits += 1
             else:  # host-only: adopt the recomputed KV; not a hit, not a cached prefix
                 self._set_device(node, slots[start:start + len(node.tokens)].clone())
                 self._refresh_around(node)
+            if start >= counted:
+                counting.append(node)
             start += len(node.tokens)
-        if start < aligned:
-            parent = touched[-1] if touched else self.root
-            node = TreeNode(self, key.namespace, key.tokens[start:aligned], parent, now, priority)
-            node.hits = 0 if chunked else 1
-            parent.children[(key.namespace, node.tokens[:self.page_size])] = node
-            self._set_device(node, slots[start:aligned].clone())
-            self._refresh_around(node)
-            touched.append(node)
-        if self._threshold is not None and not chunked:
-            due = [n for n in touched if n.hits >= self._threshold and n.host is None]
+        parent = touched[-1] if touched else self.root
+        # The new tail: one leaf, or two where ``counted`` falls inside it.
+        for end in (counted, aligned) if start < counted else (aligned,):
+            if start < end:
+                parent = self._add_leaf(key, parent, start, end, slots, now, priority,
+                                        1 if start >= counted else 0)
+                if start >= counted:
+                    counting.append(parent)
+                start = end
+        if self._threshold is not None:
+            due = [n for n in counting if n.hits >= self._threshold and n.host is None]
             run = self._backup_run(due)
             if run:
                 self._backup(run)
         return prefix
+
+    def _require_counted_from(self, counted_from: object, aligned: int) -> None:
+        if not isinstance(counted_from, int) or isinstance(counted_from, bool):
+            raise InvalidArgument("counted_from", "must be an int")
+        if counted_from % self.page_size:
+            raise InvalidArgument("counted_from",
+                                  f"must be a multiple of the page size {self.page_size}")
+        if not 0 <= counted_from <= aligned:
+            raise InvalidArgument("counted_from",
+                                  f"must be between 0 and the page-aligned length {aligned}")
+
+    def _add_leaf(self, key: RadixKey, parent: TreeNode, start: int, end: int,
+                  slots: torch.Tensor, now: int, priority: int, hits: int) -> TreeNode:
+        """A new node for ``key.tokens[start:end]`` under ``parent``."""
+        node = TreeNode(self, key.namespace, key.tokens[start:end], parent, now, priority)
+        node.hits = hits
+        parent.children[(key.namespace, node.tokens[:self.page_size])] = node
+        self._set_device(node, slots[start:end].clone())
+        self._refresh_around(node)
+        return node
 
     # ------------------------------------------------------------------ backup
 

@@ -139,10 +139,11 @@ def choose_insert_backup(
     *,
     priority: int = 0,
     chunked: bool = False,
+    counted_from: int = 0,
 ) -> Backup | None:
     """The backup report for ``insert(state, key, slots, now, ...)``."""
     draft = Draft(state)
-    _, due = insert_pages(draft, key, slots, now, priority, chunked)
+    _, due = insert_pages(draft, key, slots, now, priority, chunked, counted_from)
     return _report_for(draft, backup_run(draft, due), rng)
 
 

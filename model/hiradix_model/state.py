@@ -26,7 +26,7 @@ class Page:
     host: tuple[int, ...] | None
     lock: int = 0  # locks held on this page or on a page below it
     host_protect: int = 0  # holders that forbid freeing the host copy
-    hits: int = 0  # non-chunked inserts that found the page cached (or created it)
+    hits: int = 0  # non-chunked inserts past their counted_from that found (or created) it
     last_tick: int = 0  # logical time of the last match or insert that touched it
     insert_tick: int = 0  # logical time the page entered the cache
     priority: int = 0  # the highest priority of the inserts that touched it

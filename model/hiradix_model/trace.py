@@ -137,7 +137,8 @@ CALLS: dict[str, Callable[[State, dict[str, Json]], tuple[State, object]]] = {
     "free": lambda s, a: ops.free(s, tuple(a["slots"])),
     "insert": lambda s, a: ops.insert(
         s, _key(a["key"]), tuple(a["slots"]), a["now"], priority=a.get("priority", 0),
-        chunked=a.get("chunked", False), backup=decode_backup(a.get("backup"))),
+        chunked=a.get("chunked", False), counted_from=a.get("counted_from", 0),
+        backup=decode_backup(a.get("backup"))),
     "inc_lock_ref": lambda s, a: ops.inc_lock_ref(s, decode_key(a["page"])),
     "dec_lock_ref": lambda s, a: ops.dec_lock_ref(s, decode_key(a["page"])),
     "evict": lambda s, a: ops.evict(s, a["num_tokens"],

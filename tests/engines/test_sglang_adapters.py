@@ -127,3 +127,21 @@ def test_adopted_fields_are_adoptable_and_each_names_a_deviation(hierarchical: b
     assert set(adapter.adopted) <= set(trace.ADOPTABLE)
     assert all("DEV-" in why for why in adapter.adopted.values())
     adapter.close()
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_dev25_counted_from_inside_the_key_is_refused_not_approximated(
+        hierarchical: bool) -> None:
+    """spec/07 DEV-25: 0.5.20's insert takes only ``chunked``. counted_from = the aligned
+    length is chunked; inside the key it has no counterpart: declared inexpressible (the
+    differential suite never asks) and refused by the adapter, the cache untouched."""
+    adapter = SglangAdapter(Scenario(page_size=1), hierarchical=hierarchical)
+    assert "counted_from_inside" in adapter.inexpressible
+    slots = adapter.alloc(2)
+    assert slots is not None
+    with pytest.raises(ValueError, match="DEV-25"):
+        adapter.insert(Key((1, 2)), slots, priority=0, chunked=False, counted_from=1)
+    assert adapter.observe(initial(adapter.config)).pages == {}
+    adapter.insert(Key((1, 2)), slots, priority=0, chunked=False, counted_from=2)
+    assert {p.hits for p in adapter.observe(initial(adapter.config)).pages.values()} == {0}
+    adapter.close()

@@ -88,12 +88,14 @@ def unified(scenario: Scenario | None = None) -> Any:
     return SglangUnifiedAdapter(scenario or Scenario(page_size=1))
 
 
-def put(adapter: Any, *keys: tuple[int, ...], chunked: bool = False) -> None:
+def put(adapter: Any, *keys: tuple[int, ...], chunked: bool = False,
+        counted_from: int = 0) -> None:
     """Insert each key with fresh slots, as a request that matched nothing."""
     for tokens in keys:
         slots = adapter.alloc(len(tokens))
         assert slots is not None
-        adapter.insert(Key(tokens), slots, priority=0, chunked=chunked)
+        adapter.insert(Key(tokens), slots, priority=0, chunked=chunked,
+                       counted_from=counted_from)
 
 
 def pages_of(adapter: Any) -> dict[tuple[int, ...], Any]:
@@ -178,6 +180,45 @@ def test_dev25_chunked_is_inserted_len_at_either_end(chunked: bool) -> None:
     page = pages_of(adapter)[(1, 2)]
     assert page.hits == (0 if chunked else 1)
     assert bool(adapter.cache.ongoing_write_through) is not chunked
+    adapter.close()
+
+
+def test_dev25_inserted_len_inside_a_node_counts_the_whole_node() -> None:
+    """spec/07 DEV-25 (0.5.23): SGLang does not split at inserted_len; a node that ends
+    past it counts a hit on all its pages, those before inserted_len too, where the
+    model's counted_from counts only the pages past it."""
+    adapter = unified()
+    if adapter.v20:
+        pytest.skip("0.5.20's insert takes chunked, not inserted_len")
+    put(adapter, (1, 2, 3, 4))
+    from hiradix.conformance.adapters.sglang_unified import radix_key, to_engine
+    slots = adapter.alloc(2)
+    value = to_engine(adapter._device_prefix(Key((1, 2, 3, 4))) + slots, 1)
+    adapter.cache.insert(adapter.m["base"].InsertParams(
+        key=radix_key(adapter.uenv, Key((1, 2, 3, 4, 5, 6))), value=value,
+        prev_prefix_len=4, inserted_len=2))
+    ends = {len(adapter._prefix(n).tokens): n.hit_count for n in adapter._nodes()}
+    assert ends == {4: 2, 6: 1}  # no node ends at 2; pages (1,) and (1, 2) counted again
+    adapter.close()
+
+
+def test_dev25_counted_from_at_a_node_end_is_inserted_len() -> None:
+    """Where a node ends at counted_from, inserted_len = counted_from is exact; inside a
+    node the adapter refuses it (and 0.5.20, with chunked only, refuses it anywhere)."""
+    adapter = unified(Scenario(page_size=1, device_pages=16))
+    put(adapter, (1, 2))
+    if adapter.v20:
+        assert "counted_from_inside" in adapter.inexpressible
+        with pytest.raises(ValueError, match="DEV-25"):
+            put(adapter, (1, 2, 3, 4), counted_from=2)
+        adapter.close()
+        return
+    assert not adapter.inexpressible
+    put(adapter, (1, 2, 3, 4), counted_from=2)
+    assert {k: p.hits for k, p in pages_of(adapter).items()} == {
+        (1,): 1, (1, 2): 1, (1, 2, 3): 1, (1, 2, 3, 4): 1}
+    with pytest.raises(ValueError, match="DEV-25"):
+        put(adapter, (1, 2, 3, 4, 5), counted_from=3)  # inside the node (1, 2, 3, 4)
     adapter.close()
 
 

@@ -50,6 +50,9 @@ def test_namespaces_do_not_share_nodes() -> None:
     (lambda c: c.insert(RadixKey((5, 6)), torch.tensor([0, 1], dtype=torch.int64)),
      InvalidArgument, "slots[0]"),  # the tree's own slots, at another position
     (lambda c: c.insert((5, 6), torch.tensor([0, 1])), InvalidArgument, "key"),
+    *((lambda c, bad=bad: c.insert(RadixKey((1, 2, 3, 4)), own(c, (1, 2, 3, 4)),
+                                   counted_from=bad), InvalidArgument, "counted_from")
+      for bad in (-2, 1, 6, True, 2.0)),
     (lambda c: c.evict(-1), InvalidArgument, "num_tokens"),
     (lambda c: c.evict_host(1.5), InvalidArgument, "num_tokens"),
     (lambda c: c.dec_lock_ref(c.nodes()[0]), NotLocked, "node"),
@@ -64,6 +67,49 @@ def test_misuse_raises_a_typed_error_and_changes_nothing(call, error, argument) 
     assert raised.value.argument == argument
     assert snapshot(cache) == before
     cache.check_invariants()
+
+
+def own(cache, tokens: tuple[int, ...]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The cache's own slots for ``tokens`` plus fresh ones for the rest."""
+    match = cache.match_prefix(RadixKey(tokens))
+    more = cache.device_pool.alloc(len(tokens) - len(match.device_slots))
+    assert more is not None
+    return torch.cat([match.device_slots, more])
+
+
+def page_hits(cache) -> dict[int, int]:  # type: ignore[no-untyped-def]
+    """Hits per page, by the page's end position (a node's hits are each page's)."""
+    found = {}
+    for node in cache.nodes():
+        start, parent = 0, node.parent
+        while parent is not None:
+            start, parent = start + len(parent.tokens), parent.parent
+        for end in range(start + cache.page_size, start + len(node.tokens) + 1,
+                         cache.page_size):
+            found[end] = node.hits
+    return found
+
+
+def test_counted_from_splits_so_that_only_pages_past_it_count() -> None:
+    """spec/03 3.5: a node across counted_from is split there, so hits stay per page."""
+    cache = cache_with((1, 2, 3, 4), write_policy="write_back")
+    key = RadixKey((1, 2, 3, 4, 5, 6))
+    assert cache.insert(key, own(cache, key.tokens), counted_from=2) == 4
+    assert page_hits(cache) == {2: 1, 4: 2, 6: 1}
+    fresh = Scenario(write_policy="write_back").build(ManualClock(1), None)
+    assert fresh.insert(key, own(fresh, key.tokens), counted_from=4) == 0
+    assert page_hits(fresh) == {2: 0, 4: 0, 6: 1}
+    cache.check_invariants()
+    fresh.check_invariants()
+
+
+def test_only_nodes_past_counted_from_are_backed_up() -> None:
+    cache = Scenario(write_policy="write_through").build(ManualClock(1), None)
+    key = RadixKey((1, 2, 3, 4))
+    cache.insert(key, own(cache, key.tokens), counted_from=2)
+    # (1, 2, 3, 4) is due, but its parent page has no host copy: no copy (R4, R5).
+    assert page_hits(cache) == {2: 0, 4: 1}
+    assert all(node.host is None for node in cache.nodes())
 
 
 def test_nodes_of_another_cache_or_after_reset_are_foreign() -> None:

@@ -24,16 +24,17 @@ from hiradix_model.strategies import eviction_key
 
 
 def put(state: State, key: Key, now: int, *, chunked: bool = False,
-        priority: int = 0) -> tuple[State, ops.InsertResult]:
+        priority: int = 0, counted_from: int = 0) -> tuple[State, ops.InsertResult]:
     """A request's alloc + insert + free, with the reference backup choices."""
     state, match = ops.match_prefix(state, key, now)
     new = tuple(sorted(state.device_free)[: len(key.tokens) - len(match.device_slots)])
     state, _ = ops.alloc(state, key, len(match.device_slots), new)
     slots = match.device_slots + new
     backup = choosers.choose_insert_backup(state, key, slots, now, random.Random(0),
-                                           priority=priority, chunked=chunked)
+                                           priority=priority, chunked=chunked,
+                                           counted_from=counted_from)
     state, result = ops.insert(state, key, slots, now, priority=priority, chunked=chunked,
-                               backup=backup)
+                               counted_from=counted_from, backup=backup)
     state, _ = ops.free(state, tuple(s for s in new if s in state.held))
     assert check(state) == ()
     return state, result
@@ -95,6 +96,63 @@ def test_chunked_inserts_are_not_hits() -> None:
     state, result = put(initial(config(write_policy="write_through")), Key((1,)), 1,
                         chunked=True)
     assert result.due == () and state.pages[Key((1,))].hits == 0
+
+
+def hits(state: State) -> dict[tuple[int, ...], int]:
+    return {k.tokens: p.hits for k, p in state.pages.items()}
+
+
+def test_counted_from_counts_hits_only_past_it() -> None:
+    """spec/03 3.5: pages ending at or before counted_from keep their hits; each page
+    past it gains one, as in a plain insert (07 DEV-25: the next chunk of a prefill)."""
+    state = initial(config(page_size=2, device_slots=16, write_policy="write_back"))
+    state, _ = put(state, Key((1, 2, 3, 4)), 1)
+    state, _ = put(state, Key((1, 2, 3, 4, 5, 6, 7, 8)), 2, counted_from=4)
+    assert hits(state) == {(1, 2): 1, (1, 2, 3, 4): 1, (1, 2, 3, 4, 5, 6): 1,
+                           (1, 2, 3, 4, 5, 6, 7, 8): 1}
+    state, _ = put(state, Key((1, 2, 3, 4, 5, 6, 7, 8)), 3, counted_from=2)
+    assert hits(state) == {(1, 2): 1, (1, 2, 3, 4): 2, (1, 2, 3, 4, 5, 6): 2,
+                           (1, 2, 3, 4, 5, 6, 7, 8): 2}
+
+
+def test_counted_from_inside_new_pages_counts_from_there() -> None:
+    state = initial(config(page_size=2, write_policy="write_back"))
+    state, _ = put(state, Key((1, 2, 3, 4, 5, 6)), 1, counted_from=2)
+    assert hits(state) == {(1, 2): 0, (1, 2, 3, 4): 1, (1, 2, 3, 4, 5, 6): 1}
+
+
+def test_only_pages_past_counted_from_are_due() -> None:
+    state = initial(config(page_size=2, write_policy="write_through"))
+    state, result = put(state, Key((1, 2, 3, 4)), 1, counted_from=2)
+    assert result.due == (Key((1, 2, 3, 4)),)
+    # Not eligible: its parent page has no host copy and is not due (R4, R5).
+    assert state.pending == () and state.pages[Key((1, 2))].host is None
+
+
+def test_counted_from_the_aligned_length_is_chunked() -> None:
+    base = initial(config(page_size=2, write_policy="write_through"))
+    base, _ = put(base, Key((1, 2)), 1)
+    base, _ = ops.writing_check(base, 1)
+    chunked, c_result = put(base, Key((1, 2, 3, 4)), 2, chunked=True)
+    counted, n_result = put(base, Key((1, 2, 3, 4)), 2, counted_from=4)
+    assert chunked == counted and c_result == n_result
+    both, b_result = put(base, Key((1, 2, 3, 4)), 2, chunked=True, counted_from=2)
+    assert both == chunked and b_result == c_result  # chunked wins
+
+
+@pytest.mark.parametrize("bad", [-2, 1, 6, True, 2.0, None])
+def test_bad_counted_from_is_rejected_and_changes_nothing(bad: object) -> None:
+    state = initial(config(page_size=2))
+    state, _ = ops.alloc(state, Key((1, 2, 3, 4)), 0, (0, 1, 2, 3))
+    with pytest.raises(PreconditionError, match="counted_from"):
+        ops.insert(state, Key((1, 2, 3, 4, 5)), (0, 1, 2, 3, 4), 1,
+                   counted_from=bad)  # type: ignore[arg-type]
+    state, _ = ops.alloc(initial(config(page_size=2)), Key((1, 2, 3, 4)), 0, (0, 1, 2, 3))
+    before = state
+    with pytest.raises(PreconditionError, match="counted_from"):
+        ops.insert(state, Key((1, 2, 3, 4)), (0, 1, 2, 3), 1,
+                   counted_from=bad)  # type: ignore[arg-type]
+    assert state == before
 
 
 def test_backup_waits_for_the_parent_copy() -> None:

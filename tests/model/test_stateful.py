@@ -93,11 +93,13 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
         assert len(result.device_slots) % self.state.config.page_size == 0
 
     @rule(batch=st.lists(keys, min_size=1, max_size=3), dt=st.integers(0, 2), seed=seeds,
-          chunked=st.booleans(), priority=st.integers(0, 2), keep_lock=st.booleans())
+          chunked=st.booleans(), priority=st.integers(0, 2), keep_lock=st.booleans(),
+          counted_pages=st.one_of(st.just(0), st.just(0), st.integers(1, 6)))
     def requests(self, batch: list[Key], dt: int, seed: int, chunked: bool, priority: int,
-                 keep_lock: bool) -> None:
+                 keep_lock: bool, counted_pages: int) -> None:
         for key in batch:
-            self.request(key, dt, random.Random(seed), chunked, priority, keep_lock)
+            self.request(key, dt, random.Random(seed), chunked, priority, keep_lock,
+                         counted_pages)
 
     # A returning request after its backups landed and the device filled up: what makes
     # host hits and copying load-backs frequent (a random key rarely repeats a prefix).
@@ -112,9 +114,10 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
         self.request(self.seen[index % len(self.seen)], 1, rng, False, 0, False)
 
     def request(self, key: Key, dt: int, rng: random.Random, chunked: bool, priority: int,
-                keep_lock: bool) -> None:
+                keep_lock: bool, counted_pages: int = 0) -> None:
         self.seen.append(key)
-        match = self.serve(key, rng, (dt, dt, dt), priority=priority, chunked=chunked)
+        match = self.serve(key, rng, (dt, dt, dt), priority=priority, chunked=chunked,
+                           counted_pages=counted_pages)
         if keep_lock:
             self.caller_locks.append(match.last_device_page)
         else:
@@ -327,6 +330,9 @@ class ModelMachine(Stepping, RuleBasedStateMachine):
         if free_slot:
             self.rejects(PreconditionError, ops.free, tuple(free_slot))
             self.rejects(PreconditionError, ops.insert, Key((1,)), tuple(free_slot), self.now)
+        for counted_from in (-1, 1 + self.state.config.page_size, True):
+            self.rejects(PreconditionError, ops.insert, Key(()), (), self.now,
+                         counted_from=counted_from)
         for key, page in self.state.pages.items():
             if page.lock == transfer_locks(self.state, key) and key not in self.caller_locks:
                 self.rejects(PreconditionError, ops.dec_lock_ref, key)

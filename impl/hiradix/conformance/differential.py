@@ -64,6 +64,23 @@ def chain_tokens(state: State, page: Key) -> int:
         state.pages[k].device is None for k in page_keys(page, state.config.page_size))
 
 
+def uncounted_ancestor(draft: Draft, key: Key, counted: int, due: tuple[Key, ...]) -> bool:
+    """After an insert counting from ``counted``: whether SGLang's write-through, which
+    backs up a due node together with its unbacked ancestors, differs from the spec,
+    which backs up due pages only (07 DEV-25), now or at a later insert. Now: a due page
+    has a device-only ancestor that is not due. Later: a device-only page has more hits
+    than its device-only parent, so a plain insert could make it due without the parent.
+    Inserts without ``counted_from`` never do either: they count a page's whole path."""
+    if any(draft.page(k).host is None and k not in due
+           for page in due for k in page_keys(page, draft.ps)[:-1]):
+        return True
+    if not 0 < counted < len(key.tokens) - len(key.tokens) % draft.ps:
+        return False
+    last = draft.page(Key(key.tokens[:counted], key.namespace))
+    first = draft.page(Key(key.tokens[:counted + draft.ps], key.namespace))
+    return last.host is None and first.host is None and first.hits > last.hits
+
+
 def make_differential(factory: Callable[[], EngineAdapter],
                       tally: Tally | None = None) -> type[RuleBasedStateMachine]:
     """A state machine class driving the engines ``factory`` builds, one per example."""
@@ -79,6 +96,10 @@ def make_differential(factory: Callable[[], EngineAdapter],
             self.now = 0
             self.caller_locks: list[Key | None] = []
             self.seen: list[Key] = []
+            # Page-aligned keys of earlier inserts: where the engine has a node end (07
+            # DEV-25). Kept only while the page stays cached: a node never merges, and a
+            # page that left the cache returns only through an insert, which prunes first.
+            self.inserted: list[Key] = []
             self.trace: list[trace.Step] = []
             counts.examples += 1
             counts.last_trace = self.trace
@@ -163,8 +184,29 @@ def make_differential(factory: Callable[[], EngineAdapter],
                 self.evict_both(evict_first)
             self.serve(self.seen[index % len(self.seen)], 1, False, 0, False)
 
+        # The next chunk of a chunked prefill: a request extends what it inserted before
+        # and inserts again with counted_from = that length (spec/03 3.5). Engines that
+        # count per node agree only where a node ends there (DEV-25), which an earlier
+        # insert of that prefix guarantees while its last page stays cached.
+        @precondition(lambda self: bool(self.inserted)
+                      and "counted_from_inside" not in self.engine.inexpressible)
+        @rule(index=st.integers(0, 63), more=tokens, dt=st.integers(0, 2),
+              priority=st.integers(0, 2), keep_lock=st.booleans())
+        def request_next_chunk(self, index: int, more: tuple[int, ...], dt: int,
+                               priority: int, keep_lock: bool) -> None:
+            self.prune_inserted()
+            if not self.inserted:
+                return
+            done = self.inserted[index % len(self.inserted)]
+            key = Key(done.tokens + more, done.namespace)
+            self.serve(key, dt, False, priority, keep_lock, counted_from=done)
+            self.seen.append(key)
+
+        def prune_inserted(self) -> None:
+            self.inserted = [k for k in self.inserted if k in self.model.pages]
+
         def serve(self, key: Key, dt: int, chunked: bool, priority: int,
-                  keep_lock: bool) -> None:
+                  keep_lock: bool, counted_from: Key | None = None) -> None:
             now = self.tick(dt)
             got = self.engine.match_prefix(key)
             want = self.step("match_prefix", ops.match_prefix, key, now)
@@ -193,11 +235,25 @@ def make_differential(factory: Callable[[], EngineAdapter],
                                                   for i in range(need)])
                 slots = want.device_slots + new[:need]
                 now = self.tick(dt)
+                self.prune_inserted()
+                # Only at a node end the engine still has (DEV-25); an eviction on the
+                # way here may have taken it.
+                counted = (len(counted_from.tokens) if counted_from is not None
+                           and counted_from in self.inserted else 0)
                 draft = Draft(self.model)
-                _, due = insert_pages(draft, key, slots, now, priority, chunked)
+                _, due = insert_pages(draft, key, slots, now, priority, chunked, counted)
+                if (counted and "backup_of_uncounted_ancestors" in self.engine.avoid
+                        and uncounted_ancestor(draft, key, counted, due)):
+                    counts.ops["counted_from dropped: uncounted ancestor (DEV-25)"] += 1
+                    counted = 0
+                    draft = Draft(self.model)
+                    _, due = insert_pages(draft, key, slots, now, priority, chunked, counted)
+                if 0 < counted < len(key.tokens) - len(key.tokens) % ps:
+                    counts.ops["insert counted_from inside the key"] += 1
                 run = backup_run(draft, due)
                 before = self.observe()
-                prefix = self.engine.insert(key, slots, priority=priority, chunked=chunked)
+                prefix = self.engine.insert(key, slots, priority=priority, chunked=chunked,
+                                            counted_from=counted)
                 after = self.observe(adopt=False)
                 if "evict_host_for_whole_node" in self.engine.mapped and left_host(before, after):
                     # DEV-8: the engine made host room for a whole node, not the shortfall;
@@ -209,8 +265,11 @@ def make_differential(factory: Callable[[], EngineAdapter],
                                                     if k not in left_host(before, after)})
                 report = infer.backup(self.model, before, after, run)
                 result = self.step("insert", ops.insert, key, slots, now, priority=priority,
-                                   chunked=chunked, backup=report)
+                                   chunked=chunked, counted_from=counted, backup=report)
                 assert isinstance(result, ops.InsertResult)
+                end = Key(key.tokens[:len(key.tokens) - len(key.tokens) % ps], key.namespace)
+                if end.tokens and end not in self.inserted:
+                    self.inserted.append(end)
                 self.agree(ops.InsertResult(prefix, result.due), result)
                 leftover = tuple(s for s in new if s in self.model.held)
                 if leftover:

@@ -127,6 +127,9 @@ def keys_for(page_size: int) -> st.SearchStrategy[tuple[int, ...]]:
                      st.lists(st.integers(1, 3), max_size=page_size + 2)).map(
         lambda parts: tuple(t for run in parts[0] for t in run) + tuple(parts[1]))
 namespaces = st.sampled_from([None, None, "b"])
+# An insert's counted_from in pages, modulo the key's pages + 1: mostly 0, a plain insert;
+# otherwise what a chunked prefill inserted before (spec/03 3.5).
+COUNTED_PAGES = st.one_of(st.just(0), st.just(0), st.integers(1, 8))
 
 
 def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBasedStateMachine]:
@@ -191,10 +194,14 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
 
         @rule(tokens=keys_for(scenario.page_size), namespace=namespaces, dt=st.integers(0, 2),
               chunked=st.booleans(), priority=st.integers(0, 2), keep_lock=st.booleans(),
-              quota=st.none() | st.integers(0, 24))
+              quota=st.none() | st.integers(0, 24), counted_pages=COUNTED_PAGES)
         def request(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
-                    chunked: bool, priority: int, keep_lock: bool, quota: int | None) -> None:
-            self.serve(tokens, namespace, dt, chunked, priority, keep_lock, quota)
+                    chunked: bool, priority: int, keep_lock: bool, quota: int | None,
+                    counted_pages: int = 0) -> None:
+            ps = self.cache.page_size
+            counted_from = counted_pages % (len(tokens) // ps + 1) * ps
+            self.serve(tokens, namespace, dt, chunked, priority, keep_lock, quota,
+                       counted_from)
             self.seen.append((tokens, namespace))
 
         # Returning requests are what makes host hits, load-backs and write-through
@@ -214,7 +221,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             self.serve(tokens, namespace, 1, False, 0, False, quota)
 
         def serve(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
-                  chunked: bool, priority: int, keep_lock: bool, quota: int | None) -> None:
+                  chunked: bool, priority: int, keep_lock: bool, quota: int | None,
+                  counted_from: int = 0) -> None:
             key, rkey = Key(tokens, namespace), RadixKey(tokens, namespace)
             now = self.clock.advance(dt)
             got = self.cache.match_prefix(rkey)
@@ -242,12 +250,16 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 self.write_kv(key, cached, new[:need])
                 slots = torch.cat([got.device_slots, new[:need]])
                 now = self.clock.advance(dt)
-                prefix = self.cache.insert(rkey, slots, priority=priority, chunked=chunked)
+                if 0 < counted_from < len(tokens) // ps * ps:
+                    counts.ops["insert counted_from inside the key"] += 1
+                prefix = self.cache.insert(rkey, slots, priority=priority, chunked=chunked,
+                                           counted_from=counted_from)
                 made = self.recorder.take().backups
                 backup = Backup(tuple(map(to_key, made[0].host_victims)),
                                 made[0].host_slots) if made else None
                 result = self.step("insert", ops.insert, key, tuple(slots.tolist()), now,
-                                   priority=priority, chunked=chunked, backup=backup)
+                                   priority=priority, chunked=chunked,
+                                   counted_from=counted_from, backup=backup)
                 self.agree(ops.InsertResult(prefix, result.due), result)  # type: ignore[attr-defined]
                 owned = self.cache._tree_device_slots()
                 leftover = [s for s in new.tolist() if s not in owned]

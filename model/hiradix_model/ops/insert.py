@@ -33,16 +33,21 @@ def insert(
     *,
     priority: int = 0,
     chunked: bool = False,
+    counted_from: int = 0,
     backup: Backup | None = None,
 ) -> tuple[State, InsertResult]:
     """Cache ``key`` whose KV is in ``slots`` (one per token); back up the pages now due.
 
+    ``counted_from`` (tokens, a page multiple up to the page-aligned length) is what this
+    request inserted before: pages ending at or before it count no hit and are not due;
+    ``chunked`` is ``counted_from`` = the page-aligned length (spec/03 3.5, 07 DEV-25).
     ``backup`` reports the outcome of the backup run (None when no page is eligible).
 
     pre: not check(state)
     post: not check(__return__[0])
     post: __return__[1].prefix_tokens % state.config.page_size == 0
     post: __return__[1].prefix_tokens <= len(key.tokens)
+    post: ends_past(__return__[1].due, counted_from)
     raises: PreconditionError, IllegalChoice
     """
     require_key(key)
@@ -50,25 +55,48 @@ def insert(
     require(len(slots) == len(key.tokens), "slots", "must hold one slot per token of key")
     require(isinstance(priority, int), "priority", "must be an int")
     require(backup is None or isinstance(backup, Backup), "backup", "must be a Backup or None")
+    require(isinstance(chunked, bool), "chunked", "must be a bool")
+    ps = state.config.page_size
+    require_counted_from(counted_from, page_aligned_length(key, ps), ps)
     draft = Draft(state)
     require_tick(draft, now)
     pages = page_keys(key, draft.ps)
     _check_slots(draft, key, slots, len(pages))
-    prefix_tokens, due = insert_pages(draft, key, slots, now, priority, chunked)
+    prefix_tokens, due = insert_pages(draft, key, slots, now, priority, chunked, counted_from)
     apply_backup(draft, backup_run(draft, due), backup, "backup")
     return draft.freeze(), InsertResult(prefix_tokens, due)
 
 
+def ends_past(pages: tuple[Key, ...], length: int) -> bool:
+    """Every page of ``pages`` ends past ``length`` tokens (a contract's helper)."""
+    return all(len(page.tokens) > length for page in pages)
+
+
+def require_counted_from(counted_from: object, aligned: int, page_size: int) -> None:
+    """``counted_from`` is an int (not a bool), a page multiple, 0 <= it <= ``aligned``."""
+    require(isinstance(counted_from, int) and not isinstance(counted_from, bool),
+            "counted_from", "must be an int")
+    assert isinstance(counted_from, int)
+    require(counted_from % page_size == 0, "counted_from",
+            f"must be a multiple of the page size {page_size}")
+    require(0 <= counted_from <= aligned, "counted_from",
+            f"must be between 0 and the page-aligned length {aligned}")
+
+
 def insert_pages(
-    draft: Draft, key: Key, slots: tuple[int, ...], now: int, priority: int, chunked: bool
+    draft: Draft, key: Key, slots: tuple[int, ...], now: int, priority: int, chunked: bool,
+    counted_from: int = 0,
 ) -> tuple[int, tuple[Key, ...]]:
-    """insert without the backups: returns the cached prefix and the pages now due."""
+    """insert without the backups: returns the cached prefix and the pages now due.
+    ``counted_from`` must be valid (``require_counted_from``)."""
     pages = page_keys(key, draft.ps)
     draft.clock = now
     prefix_tokens = 0
-    hit = 0 if chunked else 1
+    # Pages ending at or before ``counted`` were counted by this request's earlier insert.
+    counted = len(pages) * draft.ps if chunked else counted_from
     for index, page in enumerate(pages):
         own = slots[index * draft.ps : (index + 1) * draft.ps]
+        hit = 1 if (index + 1) * draft.ps > counted else 0
         record = draft.pages.get(page)
         if record is None:
             new = Page(device=own, host=None, hits=hit, last_tick=now, insert_tick=now,
@@ -87,9 +115,10 @@ def insert_pages(
         draft.set_page(page, new)
     threshold = draft.config.write_through_threshold
     due: tuple[Key, ...] = ()
-    if threshold is not None and not chunked:
+    if threshold is not None:
         due = tuple(
-            p for p in pages if draft.page(p).hits >= threshold and draft.page(p).host is None
+            p for p in pages if len(p.tokens) > counted
+            and draft.page(p).hits >= threshold and draft.page(p).host is None
         )
     return prefix_tokens, due
 

@@ -24,6 +24,11 @@ What an adapter must say about itself:
 - ``avoid``: known engine bugs, each recorded in spec/07 with a reproducer, that the suite
   steers around (by precondition) so that a campaign goes on to find other divergences.
   The names are the suite's: ``reset_with_copies_in_flight``.
+- ``inexpressible``: arguments of the spec's operations that the engine's API has no
+  exact counterpart for, each with its DEV id. The suite never generates them (a
+  precondition); an adapter never approximates them. The names are the suite's:
+  ``counted_from_inside`` (an ``insert`` whose ``counted_from`` lies strictly between 0
+  and the key's page-aligned length).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class EngineAdapter(Protocol):
     adopted: Mapping[str, str]  # Page field -> why (a spec/07 DEV id); keys in trace.ADOPTABLE
     mapped: Mapping[str, str]  # what observe() translates -> why
     avoid: Mapping[str, str]  # situations the suite steers clear of -> the known bug (DEV id)
+    inexpressible: Mapping[str, str]  # spec arguments the engine cannot take -> why (DEV id)
 
     def set_time(self, now: int) -> None:
         """The logical tick the engine's clock reads from now on (spec/04 4.3)."""
@@ -75,8 +81,10 @@ class EngineAdapter(Protocol):
     def write_kv(self, slots: Sequence[int], contents: Sequence[Key]) -> None:
         """Store, in each device slot, the test KV bytes of the matching content."""
 
-    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool) -> int:
-        """Cache ``key`` with its KV in ``slots``; the length of the prefix already cached."""
+    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool,
+               counted_from: int = 0) -> int:
+        """Cache ``key`` with its KV in ``slots``; the length of the prefix already cached.
+        ``counted_from``: what this request inserted before (spec/03 3.5)."""
 
     def evict(self, num_tokens: int) -> int:
         """Evict at least ``num_tokens`` device tokens if it can; the tokens evicted."""

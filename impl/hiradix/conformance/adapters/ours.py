@@ -34,6 +34,7 @@ class OursAdapter:
     adopted: Mapping[str, str] = {}
     mapped: Mapping[str, str] = {}
     avoid: Mapping[str, str] = {}
+    inexpressible: Mapping[str, str] = {}
 
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
@@ -90,9 +91,10 @@ class OursAdapter:
         pool.write(self._tensor(slots),
                    patterns(list(contents), pool.layers, pool.token_shape, pool.dtype))
 
-    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool) -> int:
+    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool,
+               counted_from: int = 0) -> int:
         return self.cache.insert(RadixKey(key.tokens, key.namespace), self._tensor(slots),
-                                 priority=priority, chunked=chunked)
+                                 priority=priority, chunked=chunked, counted_from=counted_from)
 
     def evict(self, num_tokens: int) -> int:
         return self.cache.evict(num_tokens)

@@ -121,6 +121,18 @@ def _transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence
         dst.index_copy_(0, dst_indices.to(torch.int64), src.index_select(0, src_indices))
 
 
+def chunked_only(key: Key, page_size: int, chunked: bool, counted_from: int,
+                 engine: str) -> bool:
+    """``chunked`` for an engine whose insert takes only that (DEV-25):
+    ``counted_from`` = the page-aligned length is ``chunked``, 0 is not; anything between
+    has no counterpart, and is refused rather than approximated."""
+    aligned = len(key.tokens) - len(key.tokens) % page_size
+    if 0 < counted_from < aligned:
+        raise ValueError(f"{engine}: counted_from={counted_from} inside a key of {aligned} "
+                         "tokens has no counterpart in this engine's insert (DEV-25)")
+    return chunked or 0 < counted_from == aligned
+
+
 def patch_for_cpu(host_module: Any) -> Any:
     """Steps 2 to 4 of the module docstring, shared by every SGLang adapter: host pools
     unpinned, the direct transfer as ``index_copy_``, one gloo rank. The process group
@@ -270,6 +282,9 @@ class SglangAdapter:
             "reset_with_copies_in_flight": "DEV-19: reset() keeps ongoing_write_through and "
                                            "ongoing_load_back, and restarts node ids",
         } if hierarchical else {}
+        self.inexpressible: Mapping[str, str] = {
+            "counted_from_inside": "DEV-25: insert takes only chunked (all pages or none)",
+        }
         # Backups issued by one insert form one spec run (DEV-7); loads remember their pages.
         self.runs: list[_Run] = []
         self.loads: dict[int, tuple[int, tuple[Key, ...]]] = {}  # ack -> (seq, pages)
@@ -362,12 +377,13 @@ class SglangAdapter:
             self.kv.k_buffer[layer][index] = values[layer, :, 0]
             self.kv.v_buffer[layer][index] = values[layer, :, 1]
 
-    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool) -> int:
+    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool,
+               counted_from: int = 0) -> int:
         # By entry, not id: reset() restarts node ids but keeps stale entries (DEV-19).
         pending = dict(self.cache.ongoing_write_through) if self.hierarchical else {}
         result = self.cache.insert(self.env.modules["base"].InsertParams(
             key=self._key(key), value=self._to_engine(slots), priority=priority,
-            chunked=chunked))
+            chunked=chunked_only(key, self.ps, chunked, counted_from, self.name)))
         if self.hierarchical:
             issued = [i for i, entry in self.cache.ongoing_write_through.items()
                       if pending.get(i) is not entry]

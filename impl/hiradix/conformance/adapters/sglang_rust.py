@@ -91,6 +91,7 @@ import torch
 
 from hiradix.conformance.abstraction import decode_kv
 from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable
+from hiradix.conformance.adapters.sglang import chunked_only
 from hiradix.conformance.adapters.sglang_unified import (
     from_engine,
     prepare,
@@ -253,6 +254,10 @@ class SglangRustAdapter:
             "pages": "keys decoded from the KV bytes at each node's slots (spec/06)",
         }
         self.avoid: Mapping[str, str] = {}
+        self.inexpressible: Mapping[str, str] = {
+            "counted_from_inside": "DEV-25: inserted_len inside the key is only checked on "
+                                   "the Python tree core (spec/07r)",
+        }
         self.receipts: dict[int, list[Any]] = {}
         self.freed_by_tree: set[int] = set()
         self.contents: dict[bytes, Key] = {}  # KV fingerprint -> the content written
@@ -380,7 +385,8 @@ class SglangRustAdapter:
         for i, content in enumerate(contents):
             self.contents[_fingerprint(values[:, i])] = content
 
-    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool) -> int:
+    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool,
+               counted_from: int = 0) -> int:
         # DEV-24: the scheduler passes the device prefix its match found, which the
         # request still uses; the tree frees the caller's duplicates past it. Read off
         # the node scan, not a match, which would touch recency.
@@ -394,7 +400,9 @@ class SglangRustAdapter:
         free_before = self._free_device()
         result = self.cache.insert(self.env.modules["base"].InsertParams(
             key=self._key(key), value=self._to_engine(slots), priority=priority,
-            prev_prefix_len=prev, inserted_len=aligned if chunked else 0))  # DEV-25
+            prev_prefix_len=prev,
+            inserted_len=aligned if chunked_only(key, self.ps, chunked, counted_from,
+                                                 self.name) else 0))  # DEV-25
         self.freed_by_tree = set(slots) & (self._free_device() - free_before)
         self._seen(int(result.last_device_node))
         return int(result.prefix_len)

@@ -50,6 +50,7 @@ from hiradix.conformance.adapters.sglang import (
     SglangAdapter,
     _InsertionOrdered,
     _Run,
+    chunked_only,
     patch_for_cpu,
 )
 from hiradix.conformance.scenario import Scenario
@@ -275,13 +276,22 @@ class SglangUnifiedAdapter(SglangAdapter):
             "prev_prefix_len": "DEV-24: insert passes the caller's matched device prefix; the "
                                "tree frees the duplicate slots past it, so the caller's "
                                "free of those slots is already done",
-            "chunked": "DEV-25: chunked=True is inserted_len=len(key), False is 0",
+            "chunked": "DEV-25: inserted_len = counted_from (chunked: the page-aligned "
+                       "length); SGLang counts per node, so counted_from inside the key "
+                       "only where a node ends there (0.5.20 takes chunked only)",
             "flush backups": "DEV-26: insert queues its backups; flush_pending_backups() "
                              "issues them, as the scheduler does after each batch",
             "start loads": "init_load_back is followed by ready_to_load_host_cache(), which "
                            "starts the queued copy, as the scheduler does before a batch",
         }
-        self.avoid: Mapping[str, str] = {}
+        self.avoid: Mapping[str, str] = {} if self.v20 else {
+            "backup_of_uncounted_ancestors": "DEV-25: write-through backs up a due node's "
+                                             "unbacked ancestors with it; the spec backs "
+                                             "up due pages only (R5)",
+        }
+        self.inexpressible: Mapping[str, str] = {
+            "counted_from_inside": "DEV-25: 0.5.20's insert takes only chunked",
+        } if self.v20 else {}
         self.runs: list[_Run] = []
         self.loads: dict[int, tuple[int, tuple[Key, ...]]] = {}  # ack -> (seq, pages)
         self.issued = 0
@@ -346,6 +356,15 @@ class SglangUnifiedAdapter(SglangAdapter):
             node, done = child, done + common
         return tuple(slots)
 
+    def _require_node_end(self, key: Key, length: int) -> None:
+        """DEV-25: SGLang counts a hit on every node that ends past ``inserted_len``, and
+        does not split there, so ``inserted_len`` means ``counted_from`` only where a node
+        of ``key``'s path ends at it. Elsewhere it has no counterpart: refused."""
+        end = Key(key.tokens[:length], key.namespace)
+        if not any(self._prefix(node) == end for node in self._nodes()):
+            raise ValueError(f"{self.name}: no node ends at counted_from={length} on the "
+                             "key's path; SGLang would count the node across it (DEV-25)")
+
     # -- the operations -----------------------------------------------------------------
 
     def set_time(self, now: int) -> None:
@@ -387,7 +406,8 @@ class SglangUnifiedAdapter(SglangAdapter):
         if rest:
             self.allocator.free(to_engine(rest, self.ps))
 
-    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool) -> int:
+    def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool,
+               counted_from: int = 0) -> int:
         cached = self._device_prefix(key)
         # The scheduler passes the request's protected prefix: the device slots its
         # match found, which it still uses (DEV-24).
@@ -400,9 +420,11 @@ class SglangUnifiedAdapter(SglangAdapter):
         kw: dict[str, Any] = dict(key=radix_key(self.uenv, key), value=to_engine(slots, self.ps),
                                   priority=priority, prev_prefix_len=prev)
         if self.v20:
-            kw["chunked"] = chunked
+            kw["chunked"] = chunked_only(key, self.ps, chunked, counted_from, self.name)
         else:
-            kw["inserted_len"] = aligned if chunked else 0  # DEV-25
+            kw["inserted_len"] = aligned if chunked else counted_from  # DEV-25
+            if 0 < kw["inserted_len"] < aligned:
+                self._require_node_end(key, counted_from)
         result = self.cache.insert(self.m["base"].InsertParams(**kw))
         if not self.v20:
             self.cache.flush_pending_backups()  # DEV-26
