@@ -97,10 +97,14 @@ class Walk:
             now = self.tick()
             chunked = self.rng.random() < 0.2
             priority = self.rng.randint(0, 2)
+            # Now and then the next chunk of a prefill: counted from an earlier length.
+            pages = len(key.tokens) // ps
+            counted_from = self.rng.randint(0, pages) * ps if self.rng.random() < 0.2 else 0
             backup = choosers.choose_insert_backup(self.state, key, slots, now, self.rng,
-                                                   priority=priority, chunked=chunked)
+                                                   priority=priority, chunked=chunked,
+                                                   counted_from=counted_from)
             self.apply("insert", ops.insert, key, slots, now, priority=priority,
-                       chunked=chunked, backup=backup)
+                       chunked=chunked, counted_from=counted_from, backup=backup)
             leftover = tuple(s for s in new if s in self.state.held)
             self.apply("free", ops.free, leftover)
         self.apply("dec_lock_ref", ops.dec_lock_ref, locked)
