@@ -33,7 +33,8 @@ What an adapter must say about itself:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import importlib.metadata
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, Protocol
 
 from hiradix_model import Config, Key, State, ops
@@ -127,6 +128,28 @@ class EngineUnavailable(Exception):
     def __init__(self, message: str, kind: Literal["missing", "version", "api"] = "api") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+def probe_engine(engine: str, package: str, versions: Sequence[str], what: str, setup: str,
+                 load: Callable[[], object]) -> str:
+    """The installed version of ``package`` if it is one of ``versions`` and ``load()``
+    (importing and preparing what the adapter drives) succeeds; ``EngineUnavailable``
+    of the right kind otherwise. ``what`` names what those versions have (in messages),
+    ``setup`` the command that sets the engine up."""
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise EngineUnavailable(f"{engine}: {package} is not installed here ({setup})",
+                                "missing") from None
+    if version not in versions:
+        raise EngineUnavailable(f"{engine}: needs {package} {' or '.join(versions)} ({what}), "
+                                f"found {version} ({setup})", "version")
+    try:
+        load()
+    except (ImportError, AttributeError) as missing:
+        raise EngineUnavailable(f"{engine}: {package} {version} does not import as this "
+                                f"adapter expects: {missing} ({setup})") from missing
+    return version
 
 
 def unsupported(adapter: EngineAdapter, operation: str) -> NotImplementedError:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hiradix.conformance.abstraction import decode_kv
-from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable
+from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.conformance.kv import patterns
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State, Transfer, ops
@@ -180,21 +180,7 @@ VERSIONS = ("0.5.20",)  # HiRadixCache is gone from 0.5.22 on
 
 def probe(engine: str) -> str:
     """The installed SGLang version, if this adapter can drive it (spec/07 7.1)."""
-    import importlib.metadata
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise EngineUnavailable(f"{engine}: sglang is not installed here ({SETUP})",
-                                "missing") from None
-    if version not in VERSIONS:
-        raise EngineUnavailable(f"{engine}: needs sglang {' or '.join(VERSIONS)} "
-                                f"(HiRadixCache), found {version} ({SETUP})", "version")
-    try:
-        _prepare()
-    except (ImportError, AttributeError) as missing:
-        raise EngineUnavailable(f"{engine}: sglang {version} does not import as this "
-                                f"adapter expects: {missing} ({SETUP})") from missing
-    return version
+    return probe_engine(engine, "sglang", VERSIONS, "HiRadixCache", SETUP, _prepare)
 
 
 def available() -> bool:

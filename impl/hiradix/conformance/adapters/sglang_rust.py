@@ -90,7 +90,7 @@ from typing import Any
 import torch
 
 from hiradix.conformance.abstraction import decode_kv
-from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable
+from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.conformance.adapters.sglang import chunked_only
 from hiradix.conformance.adapters.sglang_unified import (
     from_engine,
@@ -143,24 +143,12 @@ def _prepare() -> Any:
 
 def probe(engine: str) -> str:
     """The installed SGLang version, if it has the Rust tree core this adapter drives."""
-    import importlib.metadata
-    import importlib.util
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise EngineUnavailable(f"{engine}: sglang is not installed here ({SETUP})",
-                                "missing") from None
-    if version not in VERSIONS:
-        raise EngineUnavailable(f"{engine}: needs sglang {' or '.join(VERSIONS)} (the Rust "
-                                f"tree core), found {version} ({SETUP})", "version")
-    try:
+    def load() -> None:
+        import importlib.util
         if importlib.util.find_spec("sglang.srt.mem_cache.rust_tree_core.mem_cache") is None:
             raise ImportError("the compiled rust_tree_core/mem_cache extension is missing")
         _prepare()
-    except (ImportError, AttributeError) as missing:
-        raise EngineUnavailable(f"{engine}: sglang {version} does not import as this "
-                                f"adapter expects: {missing} ({SETUP})") from missing
-    return version
+    return probe_engine(engine, "sglang", VERSIONS, "the Rust tree core", SETUP, load)
 
 
 @dataclass(frozen=True)

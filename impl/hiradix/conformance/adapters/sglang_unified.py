@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from hiradix.conformance.abstraction import decode_kv
-from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable
+from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.conformance.adapters.sglang import (
     DTYPE,
     HEAD_DIM,
@@ -138,24 +138,17 @@ def prepare() -> UnifiedEnv:
 
 def probe(engine: str) -> str:
     """The installed SGLang version, if this adapter can drive it (spec/07 7.1)."""
-    version = _installed()
-    if version not in VERSIONS:
-        raise EngineUnavailable(f"{engine}: needs sglang {' or '.join(VERSIONS)} "
-                                f"(UnifiedRadixCache), found {version} ({SETUP})", "version")
-    try:
-        env = prepare()
-        uni = env.modules["uni"].UnifiedRadixCache
-        for name in ("init_hicache", "match_prefix", "insert", "inc_lock_ref", "dec_lock_ref",
-                     "evict", "evict_host", "writing_check", "loading_check",
-                     "init_load_back", "ready_to_load_host_cache", "reset"):
+    def load() -> None:
+        uni = prepare().modules["uni"].UnifiedRadixCache
+        wanted = ["init_hicache", "match_prefix", "insert", "inc_lock_ref", "dec_lock_ref",
+                  "evict", "evict_host", "writing_check", "loading_check", "init_load_back",
+                  "ready_to_load_host_cache", "reset"]
+        if _installed() != "0.5.20":
+            wanted.append("flush_pending_backups")
+        for name in wanted:
             if not callable(getattr(uni, name, None)):
                 raise AttributeError(f"UnifiedRadixCache has no {name}")
-        if version != "0.5.20" and not callable(getattr(uni, "flush_pending_backups", None)):
-            raise AttributeError("UnifiedRadixCache has no flush_pending_backups")
-    except (ImportError, AttributeError) as missing:
-        raise EngineUnavailable(f"{engine}: sglang {version} does not import as this "
-                                f"adapter expects: {missing} ({SETUP})") from missing
-    return version
+    return probe_engine(engine, "sglang", VERSIONS, "UnifiedRadixCache", SETUP, load)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hiradix.conformance.adapters.base import EngineUnavailable
+from hiradix.conformance.adapters.base import probe_engine
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State
 from hiradix_model.keys import content_at
@@ -73,20 +73,8 @@ def _modules() -> dict[str, Any]:
 
 def probe(engine: str) -> str:
     """The installed vLLM version, if this adapter can drive it (spec/10)."""
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        raise EngineUnavailable(f"{engine}: vllm is not installed here ({SETUP})",
-                                "missing") from None
-    if version != VERSION:
-        raise EngineUnavailable(f"{engine}: needs vllm {VERSION}, found {version} ({SETUP})",
-                                "version")
-    try:
-        _modules()
-    except (ImportError, AttributeError) as missing:
-        raise EngineUnavailable(f"{engine}: vllm {version} does not import as this adapter "
-                                f"expects: {missing} ({SETUP})") from missing
-    return version
+    return probe_engine(engine, "vllm", (VERSION,), "its v1 KV cache managers", SETUP,
+                        _modules)
 
 
 def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
