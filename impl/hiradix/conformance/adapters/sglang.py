@@ -133,6 +133,22 @@ def chunked_only(key: Key, page_size: int, chunked: bool, counted_from: int,
     return chunked or 0 < counted_from == aligned
 
 
+def device_pools(modules: Mapping[str, Any], page_size: int,
+                 device_pages: int) -> tuple[Any, Any]:
+    """SGLang's MHA device KV pool and its allocator (token or paged), built by hand on
+    the CPU as every SGLang adapter needs them: ``(kv, allocator)``."""
+    device_slots = device_pages * page_size
+    kv = modules["pool"].MHATokenToKVPool(device_slots, page_size, DTYPE, HEADS, HEAD_DIM,
+                                          LAYERS, device="cpu", enable_memory_saver=False)
+    if page_size == 1:
+        allocator = modules["token"].TokenToKVPoolAllocator(device_slots, DTYPE, "cpu", kv,
+                                                            False)
+    else:
+        allocator = modules["paged"].PagedTokenToKVPoolAllocator(device_slots, page_size,
+                                                                 DTYPE, "cpu", kv, False)
+    return kv, allocator
+
+
 def patch_for_cpu(host_module: Any) -> Any:
     """Steps 2 to 4 of the module docstring, shared by every SGLang adapter: host pools
     unpinned, the direct transfer as ``index_copy_``, one gloo rank. The process group
@@ -207,14 +223,7 @@ class SglangAdapter:
         self.version = probe(self.name)
         ps = self.ps = scenario.page_size
         device_slots = scenario.device_pages * ps
-        self.kv = m["pool"].MHATokenToKVPool(device_slots, ps, DTYPE, HEADS, HEAD_DIM, LAYERS,
-                                             device="cpu", enable_memory_saver=False)
-        if ps == 1:
-            self.allocator = m["token"].TokenToKVPoolAllocator(device_slots, DTYPE, "cpu",
-                                                               self.kv, False)
-        else:
-            self.allocator = m["paged"].PagedTokenToKVPoolAllocator(device_slots, ps, DTYPE,
-                                                                    "cpu", self.kv, False)
+        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages)
         params = m["params"].CacheInitParams(
             disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
             page_size=ps, eviction_policy=scenario.eviction, tp_cache_group=self.env.group)
@@ -374,13 +383,18 @@ class SglangAdapter:
             issued = [i for i, entry in self.cache.ongoing_write_through.items()
                       if pending.get(i) is not entry]
             if issued:
-                nodes = sorted((self.cache.ongoing_write_through[i][0] for i in issued),
-                               key=lambda n: len(self._prefix(n).tokens))
-                self.issued += 1
-                self.runs.append(_Run(self.issued, tuple(issued),
-                                      tuple(k for n in nodes for k in self._page_keys(n)),
-                                      tuple(self._prefix(n) for n in nodes)))
+                self._record_run(issued,
+                                 [self.cache.ongoing_write_through[i][0] for i in issued])
         return int(result.prefix_len)
+
+    def _record_run(self, ids: list[int], nodes: list[Any]) -> None:
+        """The backups one insert issued (SGLang ack ``ids``, their ``nodes``) as one spec
+        run, root-most node first (DEV-7)."""
+        nodes = sorted(nodes, key=lambda n: len(self._prefix(n).tokens))
+        self.issued += 1
+        self.runs.append(_Run(self.issued, tuple(ids),
+                              tuple(k for n in nodes for k in self._page_keys(n)),
+                              tuple(self._prefix(n) for n in nodes)))
 
     def evict(self, num_tokens: int) -> int:
         result = self.cache.evict(self.env.modules["base"].EvictParams(num_tokens=num_tokens))

@@ -91,7 +91,13 @@ import torch
 
 from hiradix.conformance.abstraction import decode_kv
 from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable, probe_engine
-from hiradix.conformance.adapters.sglang import chunked_only
+from hiradix.conformance.adapters.sglang import (
+    DTYPE,
+    LAYERS,
+    TOKEN_SHAPE,
+    chunked_only,
+    device_pools,
+)
 from hiradix.conformance.adapters.sglang_unified import (
     from_engine,
     prepare,
@@ -103,9 +109,6 @@ from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State, ops
 from hiradix_model.keys import page_keys
 
-LAYERS, HEADS, HEAD_DIM = 2, 2, 2
-DTYPE = torch.float16
-TOKEN_SHAPE = (2, HEADS, HEAD_DIM)
 OPERATIONS = frozenset({"match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "alloc",
                         "free", "evict", "reset"})
 SETUP = "make sglang23-env, then run .venv-sglang23/bin/hiradix"
@@ -198,14 +201,7 @@ class SglangRustAdapter:
         device_slots = scenario.device_pages * ps
         args = m["args"].ServerArgs(model_path="dummy", device="cpu", page_size=ps)
         m["context"].publish(args, role="test")
-        self.kv = m["pool"].MHATokenToKVPool(device_slots, ps, DTYPE, HEADS, HEAD_DIM, LAYERS,
-                                             device="cpu", enable_memory_saver=False)
-        if ps == 1:
-            self.allocator = m["token"].TokenToKVPoolAllocator(device_slots, DTYPE, "cpu",
-                                                               self.kv, False)
-        else:
-            self.allocator = m["paged"].PagedTokenToKVPoolAllocator(device_slots, ps, DTYPE,
-                                                                    "cpu", self.kv, False)
+        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages)
         full = m["components"].ComponentType.FULL
         self.full = full
         params = m["params"].CacheInitParams(

@@ -42,8 +42,6 @@ from hiradix.conformance.abstraction import decode_kv
 from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.conformance.adapters.sglang import (
     DTYPE,
-    HEAD_DIM,
-    HEADS,
     HI_OPS,
     LAYERS,
     TOKEN_SHAPE,
@@ -51,6 +49,7 @@ from hiradix.conformance.adapters.sglang import (
     _InsertionOrdered,
     _Run,
     chunked_only,
+    device_pools,
     patch_for_cpu,
 )
 from hiradix.conformance.scenario import Scenario
@@ -166,14 +165,7 @@ def build(env: UnifiedEnv, scenario: Scenario, core: str) -> Built:
     (``python`` or ``rust``), built as ``create_unified_radix_cache`` builds it."""
     m = env.modules
     ps = scenario.page_size
-    device_slots = scenario.device_pages * ps
-    kv = m["pool"].MHATokenToKVPool(device_slots, ps, DTYPE, HEADS, HEAD_DIM, LAYERS,
-                                    device="cpu", enable_memory_saver=False)
-    if ps == 1:
-        allocator = m["token"].TokenToKVPoolAllocator(device_slots, DTYPE, "cpu", kv, False)
-    else:
-        allocator = m["paged"].PagedTokenToKVPoolAllocator(device_slots, ps, DTYPE, "cpu",
-                                                           kv, False)
+    kv, allocator = device_pools(m, ps, scenario.device_pages)
     full = m["components"].ComponentType.FULL
     params_kw: dict[str, Any] = dict(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
@@ -425,12 +417,7 @@ class SglangUnifiedAdapter(SglangAdapter):
         issued = [i for i, entry in self.cache.ongoing_write_through.items()
                   if pending.get(i) is not entry]
         if issued:
-            nodes = sorted((self.tree.node_by_id(i) for i in issued),
-                           key=lambda n: len(self._prefix(n).tokens))
-            self.issued += 1
-            self.runs.append(_Run(self.issued, tuple(issued),
-                                  tuple(k for n in nodes for k in self._page_keys(n)),
-                                  tuple(self._prefix(n) for n in nodes)))
+            self._record_run(issued, [self.tree.node_by_id(i) for i in issued])
         return int(result.prefix_len)
 
     def evict(self, num_tokens: int) -> int:
