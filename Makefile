@@ -3,14 +3,23 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup check test pytest crosshair lint sglang-env sglang23-env vllm-env check-sglang bench
+.PHONY: setup check test pytest crosshair lint sglang-env sglang23-env vllm-env check-sglang bench \
+	wheel-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch's CPU build first, so that resolving `torch>=2.1` never pulls a CUDA build.
+# torch's CPU build first, so that resolving `torch>=2.1` never pulls a CUDA build: PyTorch's
+# CPU wheel index as an extra index (PyPI's torch for Linux is the CUDA build). Where a local
+# wheel of torch 2.13.0 lies on disk (pip's find-links), pip takes it and the index is only
+# asked. For a GPU: install the CUDA build of torch into the venv first (README), or set
+# TORCH_INDEX=https://download.pytorch.org/whl/cu128; a venv whose torch imports is kept.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIN ?= torch==2.13.0
+INSTALL_TORCH = pip install -q $(TORCH_PIN) --extra-index-url $(TORCH_INDEX)
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/$(INSTALL_TORCH)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
@@ -54,7 +63,7 @@ SGL23_DEPS := orjson psutil pybase64 requests packaging msgspec triton pillow st
 # $(call engine_venv,VENV,DEPS,PIP SPEC,IMPORT CHECK)
 define engine_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/pip install -q torch==2.13.0
+	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/$(INSTALL_TORCH)
 	$(1)/bin/pip install -q numpy $(2)
 	$(1)/bin/pip install -q --no-deps $(3)
 	$(1)/bin/pip install -q -e '.[test]'
@@ -96,7 +105,7 @@ VLLM_IMPORTS := import vllm.v1.core.block_pool, vllm.v1.core.kv_cache_manager, \
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/$(INSTALL_TORCH)
 	$(VLLM_BIN)/pip install -q --no-deps vllm==0.33.0
 	$(VLLM_BIN)/pip install -q $(VLLM_DEPS)
 	$(VLLM_BIN)/pip install -q --no-deps xgrammar==0.2.8
@@ -105,3 +114,17 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
+
+# The installed package, outside the source tree: a wheel built from this checkout into a fresh
+# venv (torch's CPU build first), then `hiradix check` and the public import from a temp dir.
+WHEEL_VENV ?= .venv-wheel
+wheel-check: setup
+	rm -rf build dist $(WHEEL_VENV)
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/$(INSTALL_TORCH)
+	$(WHEEL_VENV)/bin/pip install -q dist/hiradix-*.whl
+	cd "$$(mktemp -d)" && $(CURDIR)/$(WHEEL_VENV)/bin/python -c \
+	    "import hiradix, hiradix_model; assert 'site-packages' in hiradix.__file__; print('installed: hiradix', hiradix.__version__, 'at', hiradix.__file__)" \
+	    && $(CURDIR)/$(WHEEL_VENV)/bin/hiradix check --seconds 10 --seed 0 >check.log; \
+	    rc=$$?; grep -E '^hiradix check: ' check.log; exit $$rc
