@@ -280,9 +280,45 @@ def test_reattach_updates_only_the_policy() -> None:
     backend = MemoryBackend()
     _, tier, _ = make(backend)
     update = TierSettings(prefetch_threshold=99, prefetch_policy="timeout")
-    assert tier.attach(backend, "other", update, threaded=False) == "policies updated"
+    assert tier.attach(backend, "model-a", update, threaded=False,
+                       batch_pages=4) == "policies updated"
     assert tier.settings == TierSettings(prefetch_threshold=2, prefetch_token_limit=1000,
                                          prefetch_policy="timeout")
+
+
+@pytest.mark.parametrize(("changes", "argument"), [
+    ({"model_identity": "model-b"}, "model_identity"),  # before: "policies updated",
+    ({"threaded": True}, "threaded"),  # the change silently ignored
+    ({"batch_pages": 1}, "batch_pages"),
+])
+def test_reattach_that_changes_more_than_the_policy_is_rejected(
+        changes: dict[str, object], argument: str) -> None:
+    """spec/09 9.4: a re-attach may change the prefetch policy only; another model
+    identity (its pages would be hashed apart) or I/O shape is a typed error."""
+    backend = MemoryBackend()
+    cache, tier, _ = make(backend)
+    before = snapshot(cache, tier)
+    identity = tier.identity
+    call = {"model_identity": "model-a", "threaded": False, "batch_pages": 4, **changes}
+    with pytest.raises(StorageArgumentError) as caught:
+        tier.attach(backend, call.pop("model_identity"),  # type: ignore[arg-type]
+                    TierSettings(prefetch_policy="timeout"), **call)  # type: ignore[arg-type]
+    assert caught.value.argument == argument
+    assert snapshot(cache, tier) == before and tier.identity == identity
+
+
+@pytest.mark.parametrize(("fields", "argument"), [
+    ({"timeout_base": 10, "timeout_max": 9}, "timeout_max"),  # before: accepted
+    ({"timeout_base": True}, "timeout_base"),
+    ({"prefetch_threshold": -1}, "prefetch_threshold"),
+    ({"prefetch_policy": "never"}, "prefetch_policy"),
+    ({"prefetch_token_limit": 1.5}, "prefetch_token_limit"),
+])
+def test_invalid_tier_settings_are_typed_errors(fields: dict[str, object],
+                                                argument: str) -> None:
+    with pytest.raises(StorageArgumentError) as caught:
+        TierSettings(**fields)  # type: ignore[arg-type]
+    assert caught.value.argument == argument
 
 
 @pytest.mark.parametrize(("call", "argument"), [

@@ -16,7 +16,13 @@ from hiradix.storage.config import (
     parse_storage_config,
     prefetch_timeout,
 )
-from hiradix.storage.controlled import ControlledBackend, Fault, FaultKind
+from hiradix.storage.controlled import (
+    FAULT_KINDS,
+    ControlledBackend,
+    Fault,
+    FaultKind,
+    InjectedInterrupt,
+)
 from hiradix.storage.errors import StorageArgumentError, StorageConfigError, StorageError
 from hiradix.storage.file import FileBackend
 from hiradix.storage.hashing import PageIdentity, check_hashes, page_hashes
@@ -24,12 +30,14 @@ from hiradix.storage.io import BackupResult, PrefetchResult, StorageIO
 from hiradix.storage.memory import MemoryBackend
 
 __all__ = [
+    "FAULT_KINDS",
     "BackupResult",
     "ControlledBackend",
     "Fault",
     "FaultKind",
     "Fetched",
     "FileBackend",
+    "InjectedInterrupt",
     "MemoryBackend",
     "PageIdentity",
     "PageRead",

@@ -15,7 +15,14 @@ A concrete backend implements five thread-safe page primitives (``has_page``,
 checking, the (de)serialisation, the integrity check and the metrics, once for all
 backends, so no backend can skip the integrity check (INV-STORAGE-INTEGRITY): a page
 whose bytes do not match the checksum recorded when it was written is a miss, counted as
-corrupt, and is discarded so a later backup can store it again.
+corrupt, and is discarded so a later backup can store it again. The checksum covers
+the page's hash as well as its bytes, so an entry stored under another page's name (a
+misdirected write: page 2's bytes and checksum under page 1's hash) fails the check too.
+
+A batch call raises ``StorageError`` and nothing else for a backend failure: any
+``Exception`` a primitive raises (an ``OSError``, a ``MemoryError``, a bug) is restated as
+one, with the leading count done before it. A ``BaseException`` that is not an
+``Exception`` (an interrupt) is counted as an error and goes through unchanged.
 """
 
 from __future__ import annotations
@@ -26,22 +33,39 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 
 from hiradix.host_pool import HostKVPool
 from hiradix.storage.errors import StorageArgumentError, StorageError
-from hiradix.storage.hashing import check_hashes
+from hiradix.storage.hashing import check_hashes, check_page_hash
 
 PageStatus = Literal["hit", "miss", "corrupt"]
 CHECKSUM_BYTES = 32
 
 
-def checksum(payload: bytes) -> bytes:
-    """The integrity checksum of a page's bytes (blake2b-256)."""
-    return hashlib.blake2b(payload, digest_size=CHECKSUM_BYTES,
+def checksum(payload: bytes, page_hash: str) -> bytes:
+    """The integrity checksum of a page's bytes stored under ``page_hash`` (blake2b-256
+    keyed by the hash): bytes that are intact but stored under another page's name fail
+    it (INV-STORAGE-INTEGRITY)."""
+    check_page_hash(page_hash, "page_hash")
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise StorageArgumentError("payload", f"must be bytes, got {type(payload).__name__}")
+    return hashlib.blake2b(payload, digest_size=CHECKSUM_BYTES, key=bytes.fromhex(page_hash),
                            person=b"hiradix-kv-page").digest()
+
+
+def check_entry(page_hash: object, payload: object, page_checksum: object) -> None:
+    """Validate a page primitive's write arguments: a page hash, the page's bytes and a
+    checksum of ``CHECKSUM_BYTES`` bytes."""
+    check_page_hash(page_hash, "page_hash")
+    if not isinstance(payload, bytes | bytearray):
+        raise StorageArgumentError("payload", f"must be bytes, got {type(payload).__name__}")
+    if not isinstance(page_checksum, bytes | bytearray) \
+            or len(page_checksum) != CHECKSUM_BYTES:
+        raise StorageArgumentError("page_checksum", f"must be {CHECKSUM_BYTES} bytes, got "
+                                                    f"{page_checksum!r:.60}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +158,16 @@ def encode_page(values: torch.Tensor) -> bytes:
     return bytes(values.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def verified_values(read: PageRead, host_pool: HostKVPool) -> torch.Tensor | None:
-    """The page's values for ``host_pool`` if ``read`` is an intact hit: its bytes match
-    their recorded checksum and have the size of one page of this pool. None otherwise."""
+def verified_values(read: PageRead, host_pool: HostKVPool,
+                    page_hash: str) -> torch.Tensor | None:
+    """The page's values for ``host_pool`` if ``read`` is an intact hit of the page named
+    ``page_hash``: its bytes match the checksum recorded for that name and have the size
+    of one page of this pool. None otherwise."""
     if read.status != "hit":
         return None
     if len(read.payload) != host_pool.page_size * host_pool.bytes_per_token:
         return None
-    if checksum(read.payload) != read.checksum:
+    if checksum(read.payload, page_hash) != read.checksum:
         return None
     flat = torch.frombuffer(bytearray(read.payload), dtype=torch.uint8)
     return flat.view(host_pool.dtype).reshape(host_pool.value_shape(host_pool.page_size))
@@ -252,12 +278,25 @@ class StorageBackend(ABC):
         batch = check_batch(hashes, host_pool, host_slots, unique=False)
         return self._set(batch, self._ops("set"))
 
-    def _failure(self, operation: str, error: StorageError, done: int) -> StorageError:
-        """``error`` restated as this backend's, with this batch's leading count."""
+    def _failure(self, operation: str, error: BaseException, done: int) -> BaseException:
+        """What a batch call that ``error`` stopped after ``done`` leading pages raises:
+        a ``StorageError`` of this backend for any ``Exception``, ``error`` itself for an
+        interrupt (a ``BaseException`` that is not an ``Exception``). Counted either way."""
         self._count(errors=1)
-        reason = error.reason if error.backend == self._name else \
-            f"{error.backend}: {error.reason}"
+        if not isinstance(error, Exception):
+            return error
+        if isinstance(error, StorageError):
+            reason = error.reason if error.backend == self._name else \
+                f"{error.backend}: {error.reason}"
+        else:
+            reason = f"unexpected {type(error).__name__}: {error}"
         return StorageError(self._name, operation, reason, pages_done=done)
+
+    def _raise(self, operation: str, error: BaseException, done: int) -> NoReturn:
+        failure = self._failure(operation, error, done)
+        if failure is error:
+            raise error
+        raise failure from error
 
     def _exists(self, hashes: tuple[str, ...], ops: PageOps) -> int:
         run = missed = 0
@@ -269,8 +308,8 @@ class StorageBackend(ABC):
                     missed = 1
                     break
                 run += 1
-        except StorageError as error:
-            raise self._failure("exists", error, run) from error
+        except BaseException as error:
+            self._raise("exists", error, run)
         finally:
             self._count(hits=run, misses=missed)
         return run
@@ -285,15 +324,15 @@ class StorageBackend(ABC):
                 if read.status == "miss":
                     missed = 1
                     break
-                values = verified_values(read, batch.host_pool)
+                values = verified_values(read, batch.host_pool, page_hash)
                 if values is None:
                     corrupt = 1
                     ops.discard(page_hash)
                     break
                 batch.host_pool.write(batch.page_slots(index), values)
                 done += 1
-        except StorageError as error:
-            raise self._failure("get", error, done) from error
+        except BaseException as error:
+            self._raise("get", error, done)
         finally:
             self._count(pages_prefetched=done, tokens_prefetched=done * batch.page_size,
                         misses=missed, corrupt=corrupt)
@@ -310,11 +349,11 @@ class StorageBackend(ABC):
                     # the backup runs stores wrong bytes, which tests can then see.
                     values = batch.host_pool.read(batch.page_slots(index))
                     payload = encode_page(values)
-                    ops.write(page_hash, payload, checksum(payload))
+                    ops.write(page_hash, payload, checksum(payload, page_hash))
                     written += 1
                 done += 1
-        except StorageError as error:
-            raise self._failure("set", error, done) from error
+        except BaseException as error:
+            self._raise("set", error, done)
         finally:
             self._count(pages_backed_up=written, tokens_backed_up=written * batch.page_size)
         return done

@@ -14,7 +14,16 @@ that operation takes the next one (none queued: the call passes straight through
   stores the page damaged, so a later ``get`` of it is corrupt. Not for ``exists``;
 - ``slow``: the page waits until the test calls ``release`` (``wait_held`` tells when a
   page is waiting), then goes on. ``hold_timeout_s`` is a safety net: a page still held
-  after it fails with ``StorageError`` instead of hanging the test.
+  after it fails with ``StorageError`` instead of hanging the test;
+- ``runtime_error``, ``os_error``, ``memory_error``: ``at_page`` (>= 0) pages are done,
+  then the call raises ``RuntimeError``, ``OSError`` or ``MemoryError``, as a
+  broken backend would. The batch call restates it as a ``StorageError`` with
+  ``pages_done`` = ``at_page`` (backend.py), so it behaves as ``raise`` (at page 0) or
+  ``die`` (later);
+- ``interrupt``: ``at_page`` pages are done, then ``InjectedInterrupt``, a
+  ``BaseException`` that is not an ``Exception``, escapes the batch call unchanged: on
+  the I/O's thread it ends that thread (io.py), on the caller's thread it reaches the
+  caller.
 
 A fault whose ``at_page`` is past its batch does nothing. After every ``get`` (``fetch``), the host
 slots of the pages past the returned count are overwritten with NaN: they hold
@@ -44,8 +53,22 @@ from hiradix.storage.backend import (
 )
 from hiradix.storage.errors import StorageArgumentError, StorageError
 
-FaultKind = Literal["ok", "raise", "short", "corrupt", "slow", "die"]
+FaultKind = Literal["ok", "raise", "short", "corrupt", "slow", "die", "runtime_error",
+                    "os_error", "memory_error", "interrupt"]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
+
+
+class InjectedInterrupt(BaseException):
+    """The ``interrupt`` fault: a ``BaseException`` that no ``except Exception`` catches."""
+
+
+# The foreign exceptions the faults of these kinds raise (not StorageError).
+FOREIGN: dict[FaultKind, type[BaseException]] = {
+    "runtime_error": RuntimeError,
+    "os_error": OSError,
+    "memory_error": MemoryError,
+    "interrupt": InjectedInterrupt,
+}
 Operation = Literal["exists", "get", "set"]
 OPERATIONS: tuple[Operation, ...] = get_args(Operation)
 
@@ -97,6 +120,9 @@ class _FaultyOps(PageOps):
         if self._hits("raise") or self._hits("die"):
             raise StorageError(self.controlled.name, self.operation,
                                f"injected fault at page {index}")
+        if self.fault is not None and self.fault.kind in FOREIGN and self._hits(self.fault.kind):
+            raise FOREIGN[self.fault.kind](f"injected {self.fault.kind} in "
+                                           f"{self.operation} at page {index}")
         if self._hits("slow"):
             self.controlled.hold(self.operation, index)
         return not self._hits("short")
@@ -217,6 +243,9 @@ class ControlledBackend(StorageBackend):
             fetched = self._get(batch, self._ops("get"))
         except StorageError as error:
             self._scribble(batch, error.pages_done)
+            raise
+        except BaseException:
+            self._scribble(batch, 0)  # an interrupt says nothing of the pages done
             raise
         self._scribble(batch, fetched.pages_done)
         return fetched

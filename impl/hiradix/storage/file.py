@@ -7,9 +7,13 @@ keeps directories small). A file is a fixed header and the page's bytes::
 
 Every byte is checked on read: magic, version and the page hash must be this format's and
 this file's, the length must equal what follows the header, and the payload must match
-the checksum (the batch loop checks that last one, for every backend). So a truncated,
-damaged or misplaced file is a miss counted as corrupt, never data (INV-STORAGE-
-INTEGRITY).
+the checksum, which covers the page hash too (the batch loop checks that last one, for
+every backend). So a truncated, damaged or misplaced file, or one written under the
+wrong name, is a miss counted as corrupt, never data (INV-STORAGE-INTEGRITY). Version 1
+files (whose checksum did not cover the hash) read as corrupt: a miss, then rewritten.
+
+Every primitive validates its page hash (64 lowercase hex characters) before it builds
+a path, so no argument can name a file outside ``root`` (``StorageArgumentError``).
 
 Writes are atomic: the file is written under a temporary name in the page's own
 directory, fsynced, then renamed over the final name with ``os.replace`` (and the
@@ -27,12 +31,19 @@ import struct
 import tempfile
 from pathlib import Path
 
-from hiradix.storage.backend import CHECKSUM_BYTES, CORRUPT, MISS, PageRead, StorageBackend
+from hiradix.storage.backend import (
+    CHECKSUM_BYTES,
+    CORRUPT,
+    MISS,
+    PageRead,
+    StorageBackend,
+    check_entry,
+)
 from hiradix.storage.errors import StorageArgumentError, StorageError
-from hiradix.storage.hashing import DIGEST_BYTES
+from hiradix.storage.hashing import DIGEST_BYTES, check_page_hash
 
 MAGIC = b"HRDXPAGE"
-VERSION = 1
+VERSION = 2  # 2: the checksum covers the page hash
 HEADER = struct.Struct(f"<8sIQ{DIGEST_BYTES}s{CHECKSUM_BYTES}s")
 SUFFIX = ".page"
 TEMP_SUFFIX = ".tmp"
@@ -63,7 +74,9 @@ class FileBackend(StorageBackend):
         self.root = path
 
     def path_of(self, page_hash: str) -> Path:
-        """Where the page named ``page_hash`` is (or would be) stored."""
+        """Where the page named ``page_hash`` is (or would be) stored; the hash is checked
+        first, so the path is always a file two levels under ``root``."""
+        check_page_hash(page_hash, "page_hash")
         return self.root / page_hash[:2] / f"{page_hash}{SUFFIX}"
 
     def _error(self, operation: str, page_hash: str, error: OSError) -> StorageError:
@@ -105,6 +118,7 @@ class FileBackend(StorageBackend):
         return PageRead("hit", data[HEADER.size:], page_checksum)
 
     def write_page(self, page_hash: str, payload: bytes, page_checksum: bytes) -> None:
+        check_entry(page_hash, payload, page_checksum)
         final = self.path_of(page_hash)
         header = HEADER.pack(MAGIC, VERSION, len(payload), bytes.fromhex(page_hash),
                              page_checksum)

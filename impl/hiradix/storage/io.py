@@ -22,6 +22,14 @@ the wrong bytes.
 
 With ``threaded=False`` no thread is started: submitted work waits in the queues until
 ``run_pending`` does it on the calling thread, so tests are deterministic.
+
+Every submitted operation gets exactly one result, whatever happens (spec/09 DEV-S13):
+a backend failure of any ``Exception`` type is a result with ``error`` set, after the
+leading pages done before it. A ``BaseException`` that is not an ``Exception`` (an
+interrupt) also posts that failed result first, then goes on: ``run_pending`` re-raises
+it to its caller (the operations still queued stay queued), and on a thread it ends the
+thread, which first fails every operation queued for it; later submissions in that
+direction then fail at once (``thread died``) until a new ``StorageIO`` is made.
 """
 
 from __future__ import annotations
@@ -96,6 +104,7 @@ class _Op:
     slots: torch.Tensor  # a private copy: the caller may reuse its tensor
     min_pages: int = 0
     stop: threading.Event = field(default_factory=threading.Event)
+    hit: int = 0  # a prefetch's hit query answer, once it came
     done: int = 0  # leading pages done so far, for prefetch_progress
 
 
@@ -144,6 +153,7 @@ class StorageIO:
         self._prefetch_results: queue.Queue[PrefetchResult] = queue.Queue()
         self._backup_results: queue.Queue[BackupResult] = queue.Queue()
         self._threads: tuple[threading.Thread, ...] = ()
+        self._dead: dict[Kind, StorageError] = {}  # the directions whose thread died
         if threaded:
             self._threads = tuple(
                 threading.Thread(target=self._serve, args=(kind,), daemon=True,
@@ -164,6 +174,10 @@ class StorageIO:
                                                     "the StorageIO is shut down")
             if checked_id in self._active[kind]:
                 raise StorageArgumentError("op_id", f"{kind} {checked_id!r} is still running")
+            dead = self._dead.get(kind)
+            if dead is not None:  # no thread will do it: it fails now, with a result
+                self._post(self._failed(op, dead))
+                return
             self._active[kind][checked_id] = op
             self._work[kind].put(op)  # under the lock, so it is ahead of shutdown's stop
 
@@ -263,6 +277,7 @@ class StorageIO:
             hit = self.backend.exists(op.hashes)
         except StorageError as error:
             return PrefetchResult(op.op_id, 0, 0, error=error)
+        op.hit = hit
         if hit < op.min_pages:
             return PrefetchResult(op.op_id, hit, 0, revoked=True)
         run = self._transfer(op, hit, self.backend.fetch)
@@ -273,33 +288,73 @@ class StorageIO:
         run = self._transfer(op, len(op.hashes), self._store)
         return BackupResult(op.op_id, run.done, terminated=run.cut, error=run.error)
 
-    def _execute(self, op: _Op) -> None:
-        """Do ``op`` and queue its result. Every submitted operation gets exactly one
-        result, or the scheduler would hold its host slots forever: an unexpected error
-        (a bug, not a storage failure) is reported in the result as a StorageError."""
-        result: PrefetchResult | BackupResult
-        try:
-            result = self._prefetch(op) if op.kind == "prefetch" else self._backup(op)
-        except Exception as error:  # reported in the result, not swallowed: see docstring
-            failure = StorageError(self.backend.name, op.kind,
-                                   f"unexpected {type(error).__name__}: {error}",
-                                   pages_done=op.done)
-            failure.__cause__ = error
-            result = (PrefetchResult(op.op_id, 0, op.done, error=failure)
-                      if op.kind == "prefetch" else BackupResult(op.op_id, op.done,
-                                                                 error=failure))
-        with self._lock:
-            del self._active[op.kind][op.op_id]  # first, so a drained id may be reused
+    def _failure(self, op: _Op, error: BaseException) -> StorageError:
+        """``error``, which stopped ``op`` unexpectedly, as the StorageError of its result
+        (a backend restates its own failures; this is for anything that got past)."""
+        failure = StorageError(self.backend.name, op.kind,
+                               f"unexpected {type(error).__name__}: {error}",
+                               pages_done=op.done)
+        failure.__cause__ = error
+        return failure
+
+    @staticmethod
+    def _failed(op: _Op, failure: StorageError) -> PrefetchResult | BackupResult:
+        """The result of ``op`` stopped by ``failure`` after ``op.done`` leading pages."""
+        if op.kind == "prefetch":
+            return PrefetchResult(op.op_id, op.hit, op.done, error=failure)
+        return BackupResult(op.op_id, op.done, error=failure)
+
+    def _post(self, result: PrefetchResult | BackupResult) -> None:
         if isinstance(result, PrefetchResult):
             self._prefetch_results.put(result)
         else:
             self._backup_results.put(result)
 
+    def _finish(self, op: _Op, result: PrefetchResult | BackupResult) -> None:
+        with self._lock:
+            del self._active[op.kind][op.op_id]  # first, so a drained id may be reused
+        self._post(result)
+
+    def _execute(self, op: _Op) -> None:
+        """Do ``op`` and queue its result. Every submitted operation gets exactly one
+        result, or the scheduler would hold its host slots forever: an unexpected error
+        (a bug, not a storage failure) is reported in the result as a StorageError, and
+        an interrupt is too, before it is re-raised (see the module docstring)."""
+        try:
+            result = self._prefetch(op) if op.kind == "prefetch" else self._backup(op)
+        except BaseException as error:  # reported in the result, never swallowed
+            self._finish(op, self._failed(op, self._failure(op, error)))
+            if isinstance(error, Exception):
+                return
+            raise
+        self._finish(op, result)
+
     def _serve(self, kind: Kind) -> None:
-        """A thread's loop: do ``kind`` operations in order until the stop sentinel."""
+        """A thread's loop: do ``kind`` operations in order until the stop sentinel. An
+        interrupt ends it; every operation queued for it then fails with a result."""
         work = self._work[kind]
-        while (op := work.get()) is not None:
-            self._execute(op)
+        try:
+            while (op := work.get()) is not None:
+                self._execute(op)
+        except BaseException as error:
+            death = StorageError(self.backend.name, kind, f"the {kind} I/O thread died: "
+                                                          f"{type(error).__name__}: {error}")
+            death.__cause__ = error
+            with self._lock:
+                self._dead[kind] = death
+                for queued in _drain(work):
+                    if queued is not None:
+                        del self._active[kind][queued.op_id]
+                        self._post(self._failed(queued, death))
+            raise
+
+    def dead(self, kind: Kind) -> StorageError | None:
+        """Why the ``kind`` thread died (every later ``kind`` operation fails at once),
+        or None while it lives (and always in synchronous mode)."""
+        if kind not in KINDS:
+            raise StorageArgumentError("kind", f"must be one of {KINDS}, got {kind!r}")
+        with self._lock:
+            return self._dead.get(kind)
 
     def run_pending(self) -> int:
         """Synchronous mode: do every queued operation now, on this thread (prefetches
@@ -309,7 +364,13 @@ class StorageIO:
                                                    "with threaded=False")
         count = 0
         for kind in KINDS:
-            for op in _drain(self._work[kind]):
+            work = self._work[kind]
+            while True:
+                # One at a time: an interrupt re-raised by _execute leaves the rest queued.
+                try:
+                    op = work.get_nowait()
+                except queue.Empty:
+                    break
                 if op is not None:
                     self._execute(op)
                     count += 1

@@ -24,22 +24,35 @@ resolved to nodes (splitting at its ends) when it is protected and again when it
 released, so a split in between cannot misplace a count.
 
 Typed errors (``StorageArgumentError``) are raised before any change.
+
+Threads (spec/09, 9.4 "Threads"): every public method holds ``lock``, one re-entrant lock
+(the cache calls back into the tier from inside a tier call), so scheduler threads may
+call the tier concurrently; they are served one at a time. The cache itself is not
+thread-safe: a caller that also calls the cache from several threads holds ``lock``
+around those calls too.
+
+Timeouts (spec/09, 9.1 "Which clock counts what"): the ``timeout`` policy counts ticks of
+``timeout_clock``; recency stamps are always the cache's logical clock.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Concatenate, Literal, ParamSpec, TypeVar
 
 import torch
 
 from hiradix._slots import is_int
 from hiradix.cache import HiRadixCache
+from hiradix.clock import Clock, ManualClock, MonotonicClock
 from hiradix.keys import RadixKey
 from hiradix.storage.backend import StorageBackend
 from hiradix.storage.config import PREFETCH_POLICIES, PrefetchPolicy, StorageConfig
-from hiradix.storage.errors import StorageArgumentError, StorageError
+from hiradix.storage.errors import StorageArgumentError
 from hiradix.storage.hashing import PageIdentity, page_hashes
 from hiradix.storage.io import BackupResult, PrefetchResult, StorageIO
 from hiradix.tree import TreeNode, split
@@ -47,6 +60,8 @@ from hiradix.tree import TreeNode, split
 Phase = Literal["querying", "fetching", "stopped", "revoked"]
 WritePhase = Literal["running", "acked"]
 Destination = Literal["free", "queue", "tree", "io"]
+Params = ParamSpec("Params")
+Returned = TypeVar("Returned")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +90,15 @@ class TierSettings:
         if limit is not None and (not is_int(limit) or limit < 0):
             raise StorageArgumentError("prefetch_token_limit",
                                        f"must be None or an int >= 0, got {limit!r}")
+        if self.timeout_max < self.timeout_base:  # a cap below the base is a typo
+            raise StorageArgumentError("timeout_max", f"must be >= timeout_base "
+                                                      f"({self.timeout_base}), got "
+                                                      f"{self.timeout_max}")
 
     @classmethod
     def from_config(cls, config: StorageConfig, ticks_per_second: int = 1000) -> TierSettings:
+        """The settings of ``config``, its seconds as ticks of a clock that counts
+        ``ticks_per_second`` (1000: the tier's default ``MonotonicClock``)."""
         if not isinstance(config, StorageConfig):
             raise StorageArgumentError("config", f"must be a StorageConfig, got "
                                                  f"{type(config).__name__}")
@@ -113,6 +134,8 @@ class TierMetrics:
     writes_issued: int = 0
     write_pages_issued: int = 0
     write_errors: int = 0
+    hit_query_errors: int = 0  # query_storage_hit_length answered 0 on a backend error
+    stored_check_errors: int = 0  # a backup's "already stored?" check failed: written
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +199,16 @@ class TierState:
     next_id: int = 0
 
 
+def _serialised(method: Callable[Concatenate[StorageTier, Params], Returned]
+                ) -> Callable[Concatenate[StorageTier, Params], Returned]:
+    """``method`` run under the tier's lock (see the module docstring)."""
+    @functools.wraps(method)
+    def locked(self: StorageTier, *args: Params.args, **kwargs: Params.kwargs) -> Returned:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def _require_request(request: object) -> str:
     if not isinstance(request, str) or not request:
         raise StorageArgumentError("request", f"must be a non-empty str, got {request!r}")
@@ -183,12 +216,25 @@ def _require_request(request: object) -> str:
 
 
 class StorageTier:
-    """The storage tier of ``cache`` (spec/09). One per cache."""
+    """The storage tier of ``cache`` (spec/09). One per cache.
 
-    def __init__(self, cache: HiRadixCache) -> None:
+    ``timeout_clock`` counts the ``timeout`` policy's ticks. None: the cache's clock when
+    it is a ``ManualClock`` (tests, replay, the conformance layer: logical ticks the
+    caller sets, exactly reproducible), else a ``MonotonicClock`` in milliseconds (an
+    engine: the cache's default ``CountingClock`` counts operations, not time)."""
+
+    def __init__(self, cache: HiRadixCache, *, timeout_clock: Clock | None = None) -> None:
         if not isinstance(cache, HiRadixCache):
             raise StorageArgumentError("cache", f"must be a HiRadixCache, got "
                                                 f"{type(cache).__name__}")
+        if timeout_clock is None:
+            timeout_clock = (cache.clock if isinstance(cache.clock, ManualClock)
+                             else MonotonicClock())
+        elif not isinstance(timeout_clock, Clock):
+            raise StorageArgumentError("timeout_clock", f"must be a Clock (a now() -> int), "
+                                                        f"got {type(timeout_clock).__name__}")
+        self.timeout_clock: Clock = timeout_clock
+        self.lock = threading.RLock()
         self.cache = cache
         self.page_size = cache.page_size
         self.metrics = TierMetrics()
@@ -197,6 +243,7 @@ class StorageTier:
         self.last_host_victims: list[tuple[str | None, tuple[int, ...]]] = []
         cache.on_reset = self._on_reset
 
+    @_serialised
     def _on_reset(self) -> None:
         """9.4 ``reset``, the storage part (the cache calls it first). The I/O is stopped,
         so no operation moves a page after this (its results are discarded with the tree)
@@ -235,12 +282,15 @@ class StorageTier:
     def identity(self) -> PageIdentity | None:
         return None if self._attached is None else self._attached.identity
 
+    @_serialised
     def attach(self, backend: StorageBackend, model_identity: str,
                settings: TierSettings | None = None, *, threaded: bool = True,
                batch_pages: int = 1) -> Literal["attached", "policies updated"]:
         """9.4 ``attach_storage``. Re-attaching the attached backend only replaces the
-        prefetch policy ("policies updated"); another backend while one is attached is an
-        error. Everything is validated before anything changes."""
+        prefetch policy ("policies updated"); another backend, another model identity,
+        or another ``threaded`` or ``batch_pages`` while one is attached is an error
+        (detach first): nothing is silently ignored. Everything is validated before
+        anything changes."""
         if not isinstance(backend, StorageBackend):
             raise StorageArgumentError("backend", f"must be a StorageBackend, got "
                                                   f"{type(backend).__name__}")
@@ -252,9 +302,7 @@ class StorageTier:
             raise StorageArgumentError("settings", f"must be TierSettings, got "
                                                    f"{type(settings).__name__}")
         if self._attached is not None:
-            if backend is not self._attached.backend:
-                raise StorageArgumentError("backend", f"{self._attached.backend.name!r} is "
-                                                      "attached; detach it first")
+            self._check_reattach(backend, model_identity, threaded, batch_pages)
             current = self._attached.settings
             self._attached.settings = TierSettings(
                 current.prefetch_threshold, checked.prefetch_policy, current.timeout_base,
@@ -268,6 +316,27 @@ class StorageTier:
         self.cache.on_write_back = self._backup_written_back
         return "attached"
 
+    def _check_reattach(self, backend: StorageBackend, model_identity: str, threaded: object,
+                        batch_pages: object) -> None:
+        """A re-attach may change the prefetch policy only (9.4)."""
+        attached = self._attached
+        assert attached is not None
+        if backend is not attached.backend:
+            raise StorageArgumentError("backend", f"{attached.backend.name!r} is "
+                                                  "attached; detach it first")
+        if model_identity != attached.identity.model:
+            raise StorageArgumentError("model_identity", f"{attached.identity.model!r} is "
+                                                         f"attached, not {model_identity!r}: "
+                                                         "detach before changing the model")
+        if threaded != attached.io.threaded:
+            raise StorageArgumentError("threaded", f"the attached I/O has threaded="
+                                                   f"{attached.io.threaded}; detach first")
+        if batch_pages != attached.io.batch_pages:
+            raise StorageArgumentError("batch_pages", f"the attached I/O has batch_pages="
+                                                      f"{attached.io.batch_pages}; detach "
+                                                      "first")
+
+    @_serialised
     def detach(self) -> None:
         """9.4 ``detach_storage``: drain, stop the I/O (every operation gets its result),
         free what each prefetch still owns once (DEV-S1), drop the write protections."""
@@ -289,6 +358,7 @@ class StorageTier:
         self.cache.on_write_back = None
         self._attached = None
 
+    @_serialised
     def clear(self) -> bool:
         """9.4 ``clear_storage``: forget every stored page; False if detached."""
         if self._attached is None:
@@ -386,9 +456,11 @@ class StorageTier:
 
     # ------------------------------------------------------------------ prefetch
 
+    @_serialised
     def query_storage_hit_length(self, key: RadixKey, anchor: TreeNode | None = None) -> int:
         """9.4: tokens of the leading pages below ``anchor`` that storage holds; 0 if not
-        worth prefetching or detached. A backend error answers 0."""
+        worth prefetching or detached. A backend error of any ``Exception`` type answers
+        0 (counted in ``metrics.hit_query_errors``); an interrupt goes through."""
         depth = self._anchor_depth(key, anchor)
         if self._attached is None:
             return 0
@@ -397,9 +469,11 @@ class StorageTier:
             return 0
         try:
             return self.page_size * self._attached.backend.exists(hashes)
-        except StorageError:
+        except Exception:  # the docstring's "answers 0": a question, not a failure
+            self.metrics.hit_query_errors += 1
             return 0
 
+    @_serialised
     def prefetch_from_storage(self, request: str, key: RadixKey,
                               anchor: TreeNode | None = None) -> int:
         """9.4: reserve host slots for the pages of ``key`` below ``anchor`` (the deepest
@@ -431,7 +505,8 @@ class StorageTier:
         reserved = self.cache.host_pool.alloc(size * fit)
         assert reserved is not None
         state = self.state
-        prefetch = TierPrefetch(state.next_id, request, key, depth, fit, reserved, fit, now)
+        prefetch = TierPrefetch(state.next_id, request, key, depth, fit, reserved, fit,
+                                self._timeout_now(now))
         state.next_id += 1
         state.prefetches[request] = prefetch
         state.occupied_tokens += size * fit
@@ -483,6 +558,7 @@ class StorageTier:
             return
         self.accept(self._attached.io.drain_prefetch(), self._attached.io.drain_backup())
 
+    @_serialised
     def accept(self, prefetches: list[PrefetchResult], backups: list[BackupResult]) -> None:
         """Apply I/O results the caller drained from ``io`` itself (the conformance layer
         does, to report each to the model first); prefetches first, as ``run_pending``."""
@@ -491,8 +567,14 @@ class StorageTier:
         for backup_result in backups:
             self._on_backup(backup_result)
 
+    def _timeout_now(self, cache_now: int) -> int:
+        """The timeout clock's tick; the cache's own tick ``cache_now`` when they are one
+        clock (read once per operation, so a counting clock is not advanced twice)."""
+        return cache_now if self.timeout_clock is self.cache.clock else \
+            self.timeout_clock.now()
+
     def _may_end(self, settings: TierSettings, prefetch: TierPrefetch, now: int) -> bool:
-        """9.6."""
+        """9.6; ``now`` and ``prefetch.start`` are ticks of the timeout clock."""
         complete = (prefetch.hit_pages is not None and prefetch.hit_pages > 0
                     and prefetch.landed == prefetch.hit_pages and not prefetch.io_running)
         if prefetch.terminated or settings.prefetch_policy == "best_effort" or complete:
@@ -505,6 +587,7 @@ class StorageTier:
             return True
         return False
 
+    @_serialised
     def check_prefetch_progress(self, request: str) -> bool:
         """9.4: True if ``request`` need not wait for storage any more. Ending a prefetch
         inserts its landed pages (S-R4) and records the tokens in ``loaded_tokens``."""
@@ -515,7 +598,7 @@ class StorageTier:
         if prefetch is None:
             return True
         attachment = self._require()
-        if not self._may_end(attachment.settings, prefetch, now):
+        if not self._may_end(attachment.settings, prefetch, self._timeout_now(now)):
             return False
         tail: Destination = "queue"
         if prefetch.io_running and not prefetch.terminated:
@@ -573,6 +656,7 @@ class StorageTier:
         cache._refresh_around(node)
         return landed - walked
 
+    @_serialised
     def terminate_prefetch(self, request: str) -> None:
         """9.4: ask the I/O to stop; the next ``check_prefetch_progress`` may end it under
         every policy."""
@@ -588,6 +672,7 @@ class StorageTier:
             self._give_up(prefetch, prefetch.landed, "io")  # DEV-S12: queued at once
             prefetch.phase = "stopped"
 
+    @_serialised
     def release_aborted_request(self, request: str) -> None:
         """9.4: forget the request; its prefetch gives up every slot (none inserted)."""
         request = _require_request(request)
@@ -604,12 +689,14 @@ class StorageTier:
         self._end(prefetch)
         self.metrics.prefetches_aborted += 1
 
+    @_serialised
     def pop_prefetch_loaded_tokens(self, request: str) -> int:
         """9.4: the tokens ``request``'s last ended prefetch inserted (then forgotten)."""
         return self.state.loaded_tokens.pop(_require_request(request), 0)
 
     # ------------------------------------------------------------------ backup
 
+    @_serialised
     def writing_check(self) -> int:
         """The cache's ``writing_check``, then S-R1 for each acknowledged copy's pages."""
         copies = list(self.cache.pending["d2h"])
@@ -623,19 +710,21 @@ class StorageTier:
             self.backup_pages(PageRun(key, end - copy.tokens // self.page_size, end))
         return count
 
+    @_serialised
     def _backup_written_back(self, node: TreeNode) -> None:
         """S-R1 for the one page a write_back eviction just copied to host."""
         prefix = node.prefix()
         end = len(prefix) // self.page_size
         self.backup_pages(PageRun(RadixKey(prefix, node.namespace), end - 1, end))
 
+    @_serialised
     def backup_pages(self, run: PageRun) -> bool:
         """S-R1 for ``run`` (pages with a complete host copy): write the ones the backend
         lacks, each host-protected until the write's ack is drained. False: none lacked."""
         attachment = self._require()
         hashes = self._hashes(run.key, attachment.identity)
         lacking = [page for page in range(run.start, run.end)
-                   if not attachment.backend.has_page(hashes[page])]
+                   if not self._stored(attachment.backend, hashes[page])]
         if not lacking:
             return False
         runs = [PageRun(run.key, page, page + 1) for page in lacking]
@@ -654,6 +743,16 @@ class StorageTier:
         self.metrics.write_pages_issued += len(lacking)
         return True
 
+    def _stored(self, backend: StorageBackend, page_hash: str) -> bool:
+        """Whether ``backend`` has the page; a failing check (any ``Exception``) answers
+        no, so the page is written: the I/O's write checks again and reports a failure
+        in its result, where the write's protection is released."""
+        try:
+            return backend.has_page(page_hash)
+        except Exception:  # counted; the write that follows reports the failure
+            self.metrics.stored_check_errors += 1
+            return False
+
     def _release_write(self, write: TierWrite) -> None:
         for page_run in write.pages:
             self._protect(page_run, -1)
@@ -661,6 +760,7 @@ class StorageTier:
 
     # ------------------------------------------------------------------ queues
 
+    @_serialised
     def drain_storage_queues(self) -> tuple[int, int, int]:
         """The I/O's results, then every revoke, ack and release queued; return the
         counts processed (revokes, acks, releases)."""
@@ -684,6 +784,7 @@ class StorageTier:
 
     # ------------------------------------------------------------------ checks
 
+    @_serialised
     def host_slots_owned(self) -> list[int]:
         """Host slots the tier owns (9.2): those prefetches still own, and those queued
         for release (busy ones included)."""
@@ -692,6 +793,7 @@ class StorageTier:
                  for slot in p.reserved[:p.owned * size].tolist()]
         return owned + list(self.state.release_queue)
 
+    @_serialised
     def check(self) -> None:
         """Audit the tier's bookkeeping against the cache (INV-RELEASE-ONCE,
         INV-HOST-PROTECT-HOLDERS, rate-limit accounting); raise AssertionError."""
