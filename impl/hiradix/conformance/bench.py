@@ -1,9 +1,11 @@
-"""``hiradix bench``: ours against SGLang 0.5.20 on the same serving-like operation streams.
+"""``hiradix bench``: ours against SGLang on the same serving-like operation streams.
 
 Four seeded workloads (shared system prompts, multi-turn conversations, few-shot prompts,
 long documents that overflow the device and come back from host) become one stream of
-requests. Every request is served by each engine in turn -- ours, SGLang's HiRadixCache,
-and for the device-only rows SGLang's RadixCache -- so machine noise hits all of them
+requests. Every request is served by each engine in turn -- ours, then each SGLang
+cache the installed version has: 0.5.20's HiRadixCache (and RadixCache for the
+device-only rows), and ``UnifiedRadixCache`` with HiCache on its Python tree core (0.5.20
+and 0.5.23) and on its Rust tree core (0.5.23) -- so machine noise hits all of them
 alike. A request is what a scheduler does: match, load back a host hit, lock, evict the
 shortfall, allocate, insert, free the duplicates, unlock, acknowledge copies. Each call
 is timed on its own; the table gives the mean and the median time per call of each
@@ -12,7 +14,13 @@ metadata bytes per cached token. Medians are the figure to compare: on a shared 
 one scheduler stall moves a mean by tens of percent and a median by a few. Every engine
 runs in the same layout (MHA device pools, ``HOST_LAYOUT`` host pools, the same KV
 shape), so cache effects favour none. No engine state is shared; keys and slot tensors
-are built before the clock starts.
+are built before the clock starts. On 0.5.23 a match returns node handles, and the
+device slots a scheduler needs are read with ``path_device_indices``: the match row
+times both, as ours returns the slots.
+
+``--large`` adds the scaling tables (``bench_scale``): a million cached tokens behind
+shared prefixes of 8-32 k tokens, memory per cached token, and the host copies' share
+of the machine's memcpy bandwidth.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -35,6 +44,7 @@ import torch
 from hiradix.cache import HiRadixCache
 from hiradix.clock import CountingClock
 from hiradix.config import CacheConfig
+from hiradix.conformance.adapters.base import EngineUnavailable
 from hiradix.device_pool import DeviceKVPool
 from hiradix.host_pool import HostKVPool
 from hiradix.keys import RadixKey
@@ -144,6 +154,16 @@ class Ours:
         c.writing_check()
         c.loading_check()
 
+    def evict_tokens(self, n: int) -> None:
+        self.t.timed("evict", lambda: self.cache.evict(n))
+
+    def host_hit(self, key: RadixKey) -> int:
+        """Tokens a match of ``key`` finds on host only (untimed)."""
+        return self.cache.match_prefix(key).host_hit_length
+
+    def close(self) -> None:
+        """Nothing to release (the SGLang engines have threads and process groups)."""
+
     def metadata(self, build: Callable[[], None]) -> tuple[int, int]:
         return _metadata(build, lambda: [(n.device, n.host) for n in self.cache.nodes()],
                          lambda: sum(len(n.tokens) for n in self.cache.nodes()
@@ -208,8 +228,148 @@ class Sglang:
         return _metadata(build, lambda: [(n.value, n.host_value) for n in nodes()],
                          lambda: sum(len(n.key) for n in nodes()))
 
+    def evict_tokens(self, n: int) -> None:
+        evict = self.m.EvictParams(num_tokens=n)
+        self.t.timed("evict", lambda: self.adapter.cache.evict(evict))
+
+    def host_hit(self, key: Any) -> int:
+        if not self.hier:
+            return 0
+        got = self.adapter.cache.match_prefix(self.m.MatchPrefixParams(key=key))
+        return int(got.host_hit_length)
+
     def close(self) -> None:
         self.adapter.close()
+
+
+class Unified:
+    """SGLang's ``UnifiedRadixCache`` with HiCache (the cache its server builds for
+    ``--enable-hierarchical-cache``) on tree core ``core``, built by the adapter's
+    ``build``; driven as its scheduler drives it (0.5.23: insert's backups are issued by
+    ``flush_pending_backups``, timed with the insert, DEV-26; the tree frees the
+    duplicates past ``prev_prefix_len`` itself, DEV-24)."""
+
+    def __init__(self, page_size: int, device_slots: int, host_slots: int,
+                 core: Literal["python", "rust"]) -> None:
+        from hiradix.conformance.adapters.sglang_unified import build, prepare
+        from hiradix.conformance.scenario import Scenario
+        self.env = prepare()
+        self.v20 = self.env.version == "0.5.20"
+        scenario = Scenario(page_size=page_size, device_pages=device_slots // page_size,
+                            host_pages=host_slots // page_size, host_layout=HOST_LAYOUT,
+                            kv_layout=KV_LAYOUT)
+        built = build(self.env, scenario, core)
+        self.cache, self.alloc = built.cache, built.allocator
+        wanted = {"python": "UnifiedTreeCore", "rust": "RustUnifiedTreeCore"}[core]
+        if type(self.cache.tree_core).__name__ != wanted:  # SGLang falls back silently
+            raise RuntimeError(f"asked for the {core} tree core, got "
+                               f"{type(self.cache.tree_core).__name__}")
+        self.cache.load_back_threshold = 10  # SGLang's own value, as ours uses
+        self.core = core
+        self.name = f"unified-{core}"
+        self.m = self.env.modules["base"]
+        self.radix = self.env.modules["radix"]
+        self.full = self.env.modules["components"].ComponentType.FULL
+        self.ps = page_size
+        self.t = Timings()
+
+    def key(self, tokens: tuple[int, ...]) -> Any:
+        return self.radix.RadixKey(token_ids=array("q", tokens), extra_key=None)
+
+    def _match(self, params: Any) -> tuple[Any, torch.Tensor]:
+        got = self.cache.match_prefix(params)
+        if self.v20:
+            return got, got.device_indices
+        return got, self.cache.path_device_indices(got.last_device_node)
+
+    def serve(self, key: Any, n: int) -> None:
+        c, m, t, alloc = self.cache, self.m, self.t, self.alloc
+        self.env.clock.now += 1
+        params = m.MatchPrefixParams(key=key)
+        got, device = t.timed("match_prefix", lambda: self._match(params))
+        if got.host_hit_length >= c.load_back_threshold:
+            # What init_load_back reads of the request (FULL is the only component).
+            req = SimpleNamespace(rid="bench", last_node=got.last_device_node,
+                                  swa_host_hit_length=0, mamba_host_hit_length=0,
+                                  kv=SimpleNamespace(mamba_pool_idx=None))
+            load = m.InitLoadBackParams(best_match_node=got.best_match_node,
+                                        host_hit_length=got.host_hit_length, mem_quota=None,
+                                        req=req)
+            t.timed("load_back", lambda: (c.init_load_back(load),
+                                          c.ready_to_load_host_cache()))
+            got, device = self._match(params)
+        receipt = c.inc_lock_ref(got.last_device_node)
+        cached = len(device)
+        need = -(-(n - cached) // self.ps) * self.ps
+        if need > alloc.available_size():
+            evict = m.EvictParams(num_tokens=need - alloc.available_size())
+            t.timed("evict", lambda: c.evict(evict))
+        new = alloc.alloc(need) if need else None
+        if new is not None:
+            insert = m.InsertParams(key=key, value=torch.cat([device, new[: n - cached]]),
+                                    prev_prefix_len=cached)
+            t.timed("insert", lambda: (c.insert(insert),
+                                       None if self.v20 else c.flush_pending_backups()))
+            tail = new[n // self.ps * self.ps - cached:]  # the partial tail page
+            if len(tail):
+                alloc.free(tail)
+        c.dec_lock_ref(receipt.node_id, receipt.to_dec_params())
+        c.writing_check()
+        c.loading_check()
+
+    def metadata(self, build: Callable[[], None]) -> tuple[int, int] | None:
+        """The Python core's heap as for the others; None for the Rust core, whose nodes
+        live on a heap tracemalloc does not see."""
+        if self.core == "rust":
+            build()
+            return None
+
+        def nodes() -> list[Any]:
+            order, stack = [], list(self.cache.tree_core.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                order.append(node)
+                stack.extend(node.children.values())
+            return order
+
+        def slots() -> list[tuple[Any, Any]]:
+            return [(n.component_data[self.full].value, n.component_data[self.full].host_value)
+                    for n in nodes()]
+        return _metadata(build, slots, lambda: sum(len(n.key) for n in nodes()))
+
+    def evict_tokens(self, n: int) -> None:
+        evict = self.m.EvictParams(num_tokens=n)
+        self.t.timed("evict", lambda: self.cache.evict(evict))
+
+    def host_hit(self, key: Any) -> int:
+        self.env.clock.now += 1
+        return int(self.cache.match_prefix(self.m.MatchPrefixParams(key=key)).host_hit_length)
+
+    def close(self) -> None:
+        self.cache.shutdown()
+
+
+Factory = Callable[[int, int], Any]  # (device slots, host slots) -> an engine
+
+
+def competitors(page_size: int) -> list[Factory]:
+    """A builder for every SGLang cache the installed SGLang offers: 0.5.20's
+    HiRadixCache and RadixCache, UnifiedRadixCache on the Python core (0.5.20, 0.5.23)
+    and on the Rust core (0.5.23)."""
+    from hiradix.conformance.adapters import sglang_rust, sglang_unified
+    from hiradix.conformance.adapters.sglang import available
+    found: list[Factory] = []
+    if available():
+        found += [lambda d, h: Sglang(page_size, d, h, hierarchical=True),
+                  lambda d, h: Sglang(page_size, d, h, hierarchical=False)]
+    for engine, module, core in (("sglang-unified", sglang_unified, "python"),
+                                 ("sglang-unified-rust", sglang_rust, "rust")):
+        try:
+            module.probe(engine)
+        except EngineUnavailable:
+            continue
+        found.append(lambda d, h, core=core: Unified(page_size, d, h, core))
+    return found
 
 
 def _metadata(build: Callable[[], None], tensors: Callable[[], list[tuple[Any, Any]]],
@@ -227,40 +387,48 @@ def _metadata(build: Callable[[], None], tensors: Callable[[], list[tuple[Any, A
     return grown + storage, tokens()
 
 
+DEVICE_ONLY = ("sglang-radix",)  # engines without a host tier: no load_back row
+
+
 def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
     stream = [r for w in workloads(seed, scale) for r in w.requests]
     random.Random(seed).shuffle(stream)
     device, host = 32768, 65536  # tokens: the long documents overflow the device
-    engines: list[Any] = [Ours(page_size, device, host),
-                          Sglang(page_size, device, host, hierarchical=True),
-                          Sglang(page_size, device, host, hierarchical=False)]
-    keys = {e.name: [e.key(r) for r in stream] for e in engines}
+    makers = competitors(page_size)
+    ours = Ours(page_size, device, host)
+    others = [make(device, host) for make in makers]
+    engines: list[Any] = [ours, *others]
+    keys = [[e.key(r) for r in stream] for e in engines]
     for index, request in enumerate(stream):
-        for engine in engines:  # interleaved: the same request on every engine in turn
-            engine.serve(keys[engine.name][index], len(request))
-    ours, hi, radix = engines
+        for engine, engine_keys in zip(engines, keys, strict=True):
+            # Interleaved: the same request on every engine in turn.
+            engine.serve(engine_keys[index], len(request))
     for op in OPS:
-        base = radix if op in ("match_prefix", "insert", "evict") else None
-        for other in (hi, base):
-            if other is None:
+        for other in others:
+            if op == "load_back" and other.name in DEVICE_ONLY:
                 continue
             rows.append([str(page_size), op, other.name, *_per_call(ours.t, op),
                          *_per_call(other.t, op), _ratio(ours.t.mean(op), other.t.mean(op)),
                          _ratio(ours.t.median(op), other.t.median(op))])
+    for other in others:
+        other.close()
     # Metadata: a fresh tree of each kind over the shared-prompt workload, no eviction.
     sample = workloads(seed, scale)[0].requests
-    for other_kind in (True, False):
+    for make in makers:
         fresh_ours = Ours(page_size, 1 << 18, 1 << 18)
-        fresh = Sglang(page_size, 1 << 18, 1 << 18, hierarchical=other_kind)
-        per = []
-        for engine in (fresh_ours, fresh):
-            size, cached = engine.metadata(_serve_all(engine, sample))
-            per.append(size / max(cached, 1))
-        rows.append([str(page_size), "metadata bytes/token", fresh.name, f"{per[0]:.1f}",
-                     "", f"{per[1]:.1f}", "", f"{per[1] / per[0]:.2f}", ""])
+        fresh = make(1 << 18, 1 << 18)
+        mine = fresh_ours.metadata(_serve_all(fresh_ours, sample))
+        theirs = fresh.metadata(_serve_all(fresh, sample))
+        assert mine is not None
+        per_ours = mine[0] / max(mine[1], 1)
+        if theirs is None:
+            rows.append([str(page_size), "metadata bytes/token", fresh.name,
+                         f"{per_ours:.1f}", "", "n/a (Rust heap)", "", "n/a", ""])
+        else:
+            per = theirs[0] / max(theirs[1], 1)
+            rows.append([str(page_size), "metadata bytes/token", fresh.name,
+                         f"{per_ours:.1f}", "", f"{per:.1f}", "", f"{per / per_ours:.2f}", ""])
         fresh.close()
-    for engine in (hi, radix):
-        engine.close()
 
 
 def _serve_all(engine: Any, requests: list[tuple[int, ...]]) -> Callable[[], None]:
@@ -286,28 +454,66 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 
 
 def table(rows: list[list[str]]) -> Iterator[str]:
-    head = ["page", "operation", "vs", "ours mean µs", "ours median µs", "SGLang mean µs",
-            "SGLang median µs", "speed-up (mean)", "speed-up (median)"]
+    head = ["page", "operation", "vs", "ours mean µs", "ours median µs", "theirs mean µs",
+            "theirs median µs", "speed-up (mean)", "speed-up (median)"]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for row in [head, ["-" * w for w in widths], *rows]:
         yield " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``hiradix bench``'s options (the CLI's ``bench`` parser may take them from here)."""
+    parser.add_argument("--page-sizes", type=lambda v: [int(x) for x in v.split(",")],
+                        default=[1, 16])
+    parser.add_argument("--scale", type=float, default=4.0,
+                        help="workload size; 4 (the default) is 5,200 requests per page size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--large", action="store_true",
+                        help="also the scaling tables: up to --large-tokens cached tokens "
+                             "behind shared prefixes of 8-32 k tokens, memory per cached "
+                             "token, host-copy bandwidth against memcpy")
+    parser.add_argument("--large-tokens", type=int, default=1 << 20,
+                        help="cached tokens the large workload reaches (default 1 Mi)")
+    parser.add_argument("--large-only", action="store_true",
+                        help="only the scaling tables (implies --large)")
+
+
+def options(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every bench option: a parser that predates an option gives its
+    default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return argparse.Namespace(**(vars(parser.parse_args([])) | vars(args)))
+
+
 def main(args: argparse.Namespace) -> int:
-    from hiradix.conformance.adapters.sglang import available
-    if not available():
-        print("hiradix bench needs SGLang 0.5.20: `make sglang-env`, then "
-              "`.venv-sglang/bin/hiradix bench`", file=sys.stderr)
+    args = options(args)
+    if not competitors(1):
+        print("hiradix bench needs SGLang: `make sglang-env` (0.5.20: HiRadixCache, "
+              "RadixCache, UnifiedRadixCache) or `make sglang23-env` (0.5.23: "
+              "UnifiedRadixCache on the Python and Rust tree cores), then "
+              "`.venv-sglang/bin/hiradix bench` or `.venv-sglang23/bin/hiradix bench`",
+              file=sys.stderr)
         return 2
-    rows: list[list[str]] = []
     started = time.perf_counter()
-    for page_size in args.page_sizes:
-        run(page_size, args.scale, args.seed, rows)
-    print("\n".join(table(rows)))
-    print(f"(seed {args.seed}, scale {args.scale}, page sizes {args.page_sizes}, "
-          f"{time.perf_counter() - started:.0f} s; µs per call, calls in brackets; "
-          "speed-up = SGLang's time / ours, above 1 means ours is faster; compare medians, "
-          "means move with scheduler stalls; every engine in the same layout: "
-          f"{KV_LAYOUT.upper()} device pools, {HOST_LAYOUT} host pools; metadata: "
-          "ratio is SGLang/ours, above 1 means ours is smaller)")
+    if not args.large_only:
+        rows: list[list[str]] = []
+        for page_size in args.page_sizes:
+            run(page_size, args.scale, args.seed, rows)
+        print("\n".join(table(rows)))
+        print(f"(seed {args.seed}, scale {args.scale}, page sizes {args.page_sizes}, "
+              f"{time.perf_counter() - started:.0f} s; µs per call, calls in brackets; "
+              "speed-up = their time / ours, above 1 means ours is faster; compare medians, "
+              "means move with scheduler stalls; every engine in the same layout: "
+              f"{KV_LAYOUT.upper()} device pools, {HOST_LAYOUT} host pools; metadata: "
+              "ratio is theirs/ours, above 1 means ours is smaller)")
+    if args.large or args.large_only:
+        from hiradix.conformance.bench_scale import report
+        report(args.page_sizes[-1], args.large_tokens, args.seed)
     return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m hiradix.conformance.bench")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
