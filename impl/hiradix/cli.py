@@ -83,7 +83,8 @@ def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled"
              if line.strip().startswith("state.") and "teardown" not in line]
     if engine in COPY_ENGINES and scenario.storage is not None:
         header = ["from hiradix.conformance.scenario import Scenario",
-                  "from hiradix.conformance.storage_machine import make_storage_machine", "",
+                  "from hiradix.conformance.storage_machine import make_storage_machine",
+                  "from hiradix.storage.tier import TierSettings", "",
                   f"Machine = make_storage_machine({scenario!r})", "state = Machine()",
                   "state.refines_the_model()"]
     elif engine in COPY_ENGINES:

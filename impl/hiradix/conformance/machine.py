@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis import target
+from hypothesis.control import currently_in_test_context
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from hiradix.cache import HiRadixCache, MatchResult
 from hiradix.clock import ManualClock
@@ -46,6 +54,47 @@ from hiradix_model import (
     violations,
 )
 from hiradix_model.keys import content_at
+
+# Swarm testing (Groce et al., ISSTA 2012). Hypothesis already switches rules off per
+# example (its FeatureFlags, lazily, one shared probability); on top of that each example
+# draws, in its ``swarm`` initialize step, a set of rules switched off for the whole
+# example and the host size, so that long runs of one kind happen (only loads, only
+# evictions under a full host). The draw is the first step of the example: a seed
+# replays it, and a reproducer prints it as ``state.swarm(...)``. ``request`` stays on.
+SWARM_RULES: tuple[str, ...] = (
+    "request_again", "grow_branches", "lock", "unlock", "hold", "release", "evict",
+    "evict_host", "write_backup", "finish_copies", "writing_check", "loading_check",
+    "load_back", "reset", "scrambled_insert_slots", "misuse")
+
+
+def swarm_off(rules: tuple[str, ...]) -> st.SearchStrategy[frozenset[str]]:
+    """Rules switched off for one example: none half the time, else any subset."""
+    return st.one_of(st.just(frozenset()), st.frozensets(st.sampled_from(rules)))
+
+
+def host_sizes(scenario: Scenario) -> st.SearchStrategy[int]:
+    """Host pages for one example: the scenario's mostly; else 2 or 3 pages (host full,
+    every host page protected: S-R5, write_back's "host full" path) or one page fewer
+    than the device (issue 17: a host smaller than the device)."""
+    return st.sampled_from(sorted({scenario.host_pages, 2, 3, scenario.device_pages - 1})
+                           + [scenario.host_pages] * 2)
+
+
+def gate(machine: type[RuleBasedStateMachine], rules: tuple[str, ...]) -> None:
+    """Add to each of ``rules`` of ``machine`` the precondition that the example's
+    swarm left it on."""
+    for name in rules:
+        setattr(machine, name, precondition(
+            lambda self, name=name: name not in self.off)(getattr(machine, name)))
+
+
+def scribble(*tensors: torch.Tensor | None) -> None:
+    """Overwrite, in place, tensors the caller handed to the cache or got from it (issue
+    17): a cache that kept the caller's buffer, or handed out its own, now holds other
+    valid slot numbers, and the next comparison with the model fails."""
+    for tensor in tensors:
+        if tensor is not None and tensor.numel():
+            tensor.add_(1)
 
 # For the summary: a step exercises an invariant when the state gives it something to
 # check (a lock for the lock invariants, a copy in flight for INV-TRANSFER-PINNED, ...).
@@ -152,6 +201,38 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             counts.last_config = scenario.model_config()
             self.counts = counts
             self.engine_label = "implementation"
+            self.scenario = scenario
+            self.off: frozenset[str] = frozenset()
+            self.peaks: dict[str, float] = {}
+
+        @initialize(off=swarm_off(SWARM_RULES), host_pages=host_sizes(scenario))
+        def swarm(self, off: frozenset[str], host_pages: int) -> None:
+            """This example's swarm: rules off, host size (rebuilt before any step)."""
+            self.off = off
+            counts.swarm[f"rules off: {len(off)}"] += 1
+            counts.swarm[f"host pages: {host_pages}"] += 1
+            if host_pages != self.scenario.host_pages:
+                self.reshape(replace(self.scenario, host_pages=host_pages))
+
+        def reshape(self, shaped: Scenario) -> None:
+            """A fresh cache and model for ``shaped``, before the example's first step."""
+            assert not self.trace, "reshape before any step"
+            self.scenario = shaped
+            self.cache = shaped.build(self.clock, self.recorder)
+            self.model = initial(shaped.model_config())
+            counts.last_config = shaped.model_config()
+
+        def climb(self, label: str, value: float) -> None:
+            """Remember the example's peak of ``value``: ``teardown`` hands it to
+            Hypothesis's ``target()``, so that examples climb towards those states."""
+            if value > self.peaks.get(label, -1.0):
+                self.peaks[label] = value
+
+        def teardown(self) -> None:
+            if currently_in_test_context():  # not when a test drives the machine by hand
+                for label, value in self.peaks.items():
+                    target(value, label=label)
+            super().teardown()
 
         # -- plumbing -----------------------------------------------------------------
 
@@ -189,6 +270,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 device_victims=victims(list(choice.device_victims)) if choice else (),
                 device_slots=choice.device_slots if choice else None)
             self.agree((tuple(loaded.tolist()), self.page_of(used)), result)
+            # Not scribbled yet: init_load_back returns the very tensor its copy in
+            # flight and the loaded nodes hold (test_regressions, issue 17, xfail).
 
         # -- the operations ------------------------------------------------------------
 
@@ -220,6 +303,30 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 self.evict_both(evict_first)
             self.serve(tokens, namespace, 1, False, 0, False, quota)
 
+        # Branching host-only subtrees (issue 17): a shared stem with diverging tails,
+        # every page pushed to host, then host eviction under pressure. Random keys over
+        # three token values on a six-page device almost never make these shapes.
+        @rule(stem_pages=st.integers(1, 2), tails=st.lists(st.integers(1, 3), min_size=2,
+                                                          max_size=3, unique=True),
+              tail_pages=st.integers(1, 2), namespace=namespaces,
+              evict_host_pages=st.integers(0, 3))
+        def grow_branches(self, stem_pages: int, tails: list[int], tail_pages: int,
+                          namespace: str | None, evict_host_pages: int) -> None:
+            ps = self.cache.page_size
+            stem = tuple(i % 3 + 1 for i in range(stem_pages * ps))
+            for tail in tails:
+                tokens = (*stem, tail, *(i % 3 + 1 for i in range(tail_pages * ps - 1)))
+                self.serve(tokens, namespace, 1, False, 0, False, None)
+                self.seen.append((tokens, namespace))
+            engine = self.cache.engine
+            if isinstance(engine, ControlledCopyEngine) and engine.queued("d2h"):
+                engine.complete("d2h", engine.queued("d2h"))  # the backups land
+            if self.cache.pending["d2h"]:
+                self.step("writing_check", ops.writing_check, self.acknowledge_writes())
+            self.evict_both(self.cache.device_pool.num_slots)
+            if evict_host_pages:
+                self.evict_host(evict_host_pages * ps)
+
         def serve(self, tokens: tuple[int, ...], namespace: str | None, dt: int,
                   chunked: bool, priority: int, keep_lock: bool, quota: int | None,
                   counted_from: int = 0) -> None:
@@ -233,6 +340,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 got = self.cache.match_prefix(rkey)
                 want = self.step("match_prefix", ops.match_prefix, key, now)
                 self.same_match(got, want)  # type: ignore[arg-type]
+            cached_slots = got.device_slots.clone()
+            scribble(got.device_slots)  # the cache's answer is the caller's to reuse
             locked = got.last_device_node
             engine_delta = self.cache.inc_lock_ref(locked)
             model_delta = self.step("inc_lock_ref", ops.inc_lock_ref, self.page_of(locked))
@@ -248,7 +357,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if new is not None:
                 self.step("alloc", ops.alloc, key, cached, tuple(new.tolist()))
                 self.write_kv(key, cached, new[:need])
-                slots = torch.cat([got.device_slots, new[:need]])
+                slots = torch.cat([cached_slots, new[:need]])
                 now = self.clock.advance(dt)
                 if 0 < counted_from < len(tokens) // ps * ps:
                     counts.ops["insert counted_from inside the key"] += 1
@@ -260,6 +369,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 result = self.step("insert", ops.insert, key, tuple(slots.tolist()), now,
                                    priority=priority, chunked=chunked,
                                    counted_from=counted_from, backup=backup)
+                scribble(slots)  # the caller reuses its buffer for the next batch
                 self.agree(ops.InsertResult(prefix, result.due), result)  # type: ignore[attr-defined]
                 owned = self.cache._tree_device_slots()
                 leftover = [s for s in new.tolist() if s not in owned]
@@ -416,7 +526,9 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 counts.ops[f"R7 slots refused (P={ps})"] += 1
                 self.holdings.append(pages)
                 return
-            prefix = self.cache.insert(rkey, torch.tensor(laid, dtype=torch.int64))
+            given = torch.tensor(laid, dtype=torch.int64)
+            prefix = self.cache.insert(rkey, given)
+            scribble(given)
             made = self.recorder.take().backups
             backup = Backup(tuple(map(to_key, made[0].host_victims)),
                             made[0].host_slots) if made else None
@@ -484,7 +596,19 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             for spec_id, busy in EXERCISED.items():
                 if busy(self.model):
                     counts.exercised[spec_id] += 1
+            self.climb_all()
 
+        def climb_all(self) -> None:
+            """The quantities that precede cache bugs, for ``target()`` (issue 15)."""
+            state = self.model
+            config = state.config
+            if config.host_slots:
+                self.climb("host pool pressure", 1 - len(state.host_free) / config.host_slots)
+            self.climb("copies in flight", len(state.pending))
+            self.climb("protected host pages", sum(p.host_protect > 0
+                                                   for p in state.pages.values()))
+
+    gate(Conformance, SWARM_RULES)
     Conformance.__name__ = f"Conformance_{scenario.slug()}"
     return Conformance
 

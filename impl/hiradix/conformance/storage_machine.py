@@ -24,16 +24,31 @@ from collections import Counter
 from collections.abc import Callable
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from hiradix.checker import failures
 from hiradix.conformance import machine
 from hiradix.conformance.abstraction import abstract
 from hiradix.conformance.coverage import tally_states
-from hiradix.conformance.machine import describe_difference, make_machine, to_key
+from hiradix.conformance.machine import (
+    SWARM_RULES,
+    describe_difference,
+    gate,
+    host_sizes,
+    make_machine,
+    swarm_off,
+    to_key,
+)
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.storage_abstraction import abstract_storage, settings_of
 from hiradix.conformance.tally import Tally
+from hiradix.errors import ForeignNode
 from hiradix.keys import RadixKey
 from hiradix.storage import ControlledBackend, Fault, MemoryBackend, StorageArgumentError
 from hiradix.storage.backend import StorageBackend
@@ -50,15 +65,27 @@ FAULTS: dict[str, tuple[str, ...]] = {
     "get": ("raise", "short", "corrupt", "die"),
     "set": ("raise", "short", "die"),
 }
-settings_strategy = st.builds(
-    TierSettings,
-    prefetch_threshold=st.sampled_from([0, 2, 4]),
-    prefetch_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-    timeout_base=st.integers(0, 4),
-    timeout_per_ki_token=st.sampled_from([0, 512, 4096]),
-    timeout_max=st.integers(0, 8),
-    prefetch_token_limit=st.sampled_from([None, 4, 100]),
-)
+# Short timeouts (a few ticks), so that they fire while the I/O runs; the cap at or
+# above the base (a cap below it is refused as a typo).
+settings_strategy = st.tuples(st.integers(0, 4), st.integers(0, 4)).flatmap(
+    lambda base_extra: st.builds(
+        TierSettings,
+        prefetch_threshold=st.sampled_from([0, 2, 4]),
+        prefetch_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
+        timeout_base=st.just(base_extra[0]),
+        timeout_per_ki_token=st.sampled_from([0, 512, 4096]),
+        timeout_max=st.just(sum(base_extra)),
+        prefetch_token_limit=st.sampled_from([None, 4, 100])))
+
+# The first attachment of an example: the roomy one the machine always had, or drawn
+# (short timeouts, thresholds, token limits: re-attaching changes only the policy, 9.4).
+first_settings = st.one_of(
+    st.just(TierSettings(prefetch_threshold=0, prefetch_token_limit=100)), settings_strategy)
+STORAGE_SWARM_RULES: tuple[str, ...] = (
+    "attach", "detach", "reattach", "clear", "inject", "query", "prefetch", "bad_anchor",
+    "store", "cycle", "squeeze", "run_io", "progress", "terminate", "abort", "pop_loaded",
+    "drain")
+ANCHOR_MISUSE = ("device only", "not on the key", "removed")
 
 
 def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
@@ -82,7 +109,24 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             self.identity: tuple[str, ...] = ()
             self.settings: TierSettings | None = None
             self.names: dict[str, Key] = {}
+            self.known: list[TreeNode] = []  # nodes seen by bad_anchor, some removed since
             self.attach(TierSettings(prefetch_threshold=0, prefetch_token_limit=100))
+
+        @initialize(off=swarm_off(SWARM_RULES + STORAGE_SWARM_RULES),
+                    host_pages=host_sizes(scenario), settings=first_settings)
+        def swarm(self, off: frozenset[str], host_pages: int,  # type: ignore[override]
+                  settings: TierSettings) -> None:
+            """This example's swarm: rules off, host size and the first attachment's
+            settings (short timeouts fire while the I/O runs), before any step."""
+            self.off = off
+            self.counts.swarm[f"rules off: {len(off)}"] += 1
+            self.counts.swarm[f"host pages: {host_pages}"] += 1
+            self.counts.swarm[f"first policy: {settings.prefetch_policy}"] += 1
+            self.tier.detach()
+            self.reshape(dataclasses.replace(self.scenario, host_pages=host_pages))
+            self.tier = StorageTier(self.cache)
+            self.settings = None
+            self.attach(settings)
 
         def teardown(self) -> None:
             for operation in FAULTS:  # injected but never taken by a batch call
@@ -314,6 +358,64 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             if request in self.tier.state.prefetches:
                 self.progress(request, dt)
 
+        @precondition(lambda self: self.tier.attached)
+        @rule(settings=settings_strategy)
+        def reattach(self, settings: TierSettings) -> None:
+            """Detach and attach again with other constants: re-attaching the attached
+            backend changes the policy only (9.4), so this is how timeouts and thresholds
+            change mid-run."""
+            self.detach(0)
+            self.attach(settings)
+
+        @precondition(lambda self: self.tier.attached and bool(self.seen))
+        @rule(index=st.integers(0, 63), kind=st.sampled_from(ANCHOR_MISUSE),
+              pick=st.integers(0, 63), request=st.sampled_from(REQUESTS))
+        def bad_anchor(self, index: int, kind: str, pick: int, request: str) -> None:
+            """A prefetch (and a query) anchored at a node without a host copy, off
+            the key, or removed from the tree: a typed error, and nothing changes (the
+            comparison after the step sees any change)."""
+            rkey = self.pick(index)
+            assert rkey is not None
+            nodes = list(self.cache.nodes())
+            self.known = (self.known + [n for n in nodes if n not in self.known])[-32:]
+            live = {id(n) for n in nodes}
+
+            def on_key(node: TreeNode) -> bool:
+                prefix = node.prefix()
+                return (node.namespace == rkey.namespace
+                        and rkey.tokens[:len(prefix)] == prefix
+                        and len(prefix) <= rkey.aligned_length(self.cache.page_size))
+            if kind == "device only":
+                found = [n for n in nodes if on_key(n) and n.host is None]
+            elif kind == "not on the key":
+                found = [n for n in nodes if not on_key(n)]
+            else:
+                found = [n for n in self.known if id(n) not in live]
+            if not found:
+                return
+            anchor = found[pick % len(found)]
+            for call in (lambda: self.tier.query_storage_hit_length(rkey, anchor),
+                         lambda: self.tier.prefetch_from_storage(request, rkey, anchor)):
+                try:
+                    call()
+                except StorageArgumentError as error:
+                    assert kind != "removed" and error.argument == "anchor", error
+                except ForeignNode as error:
+                    assert kind == "removed" and error.argument == "anchor", error
+                else:
+                    raise AssertionError(f"an anchor {kind} was accepted")
+            self.counts.ops[f"anchor refused: {kind}"] += 1
+
+        @precondition(lambda self: any(p.io_running
+                                       for p in self.tier.state.prefetches.values()))
+        @rule(device=st.integers(0, 24), host=st.integers(0, 24))
+        def squeeze(self, device: int, host: int) -> None:
+            """Eviction on both tiers while a prefetch's I/O runs: its anchor's path is
+            protected on host and must stay."""
+            self.evict_both(device)
+            self.evict_host(host)
+            self.counts.ops["evicted under a running prefetch"] += 1
+
         @precondition(lambda self: self.tier.attached and self.io_pending())
         @rule()
         def run_io(self) -> None:
@@ -429,7 +531,18 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 if busy(self.model):
                     self.counts.exercised[spec_id] += 1
             tally_states(self.counts.states, self.model)
+            self.climb_all()
 
+        def climb_all(self) -> None:
+            super().climb_all()
+            storage = self.model.storage
+            if storage is not None:
+                self.climb("prefetches in flight", sum(
+                    p.phase in ("querying", "fetching") for p in storage.prefetches))
+                self.climb("storage writes in flight", sum(
+                    w.phase == "running" for w in storage.writes))
+
+    gate(StorageConformance, STORAGE_SWARM_RULES)
     StorageConformance.__name__ = f"StorageConformance_{scenario.slug()}"
     return StorageConformance
 

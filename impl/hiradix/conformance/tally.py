@@ -21,3 +21,4 @@ class Tally:
     last_config: Config | None = None  # the latest example's model configuration
     faults: Counter[str] = field(default_factory=Counter)  # storage faults, by kind
     states: Counter[str] = field(default_factory=Counter)  # steps per coverage.COVERAGE
+    swarm: Counter[str] = field(default_factory=Counter)  # examples per swarm draw
