@@ -24,12 +24,14 @@ from hiradix.storage import (
     ControlledBackend,
     Fault,
     FileBackend,
+    InjectedInterrupt,
     MemoryBackend,
     PageIdentity,
     StorageArgumentError,
     StorageBackend,
     StorageError,
     StorageMetrics,
+    checksum,
     page_hashes,
 )
 from hiradix.storage.file import HEADER
@@ -302,6 +304,101 @@ def test_a_page_file_under_another_hash_is_corrupt(tmp_path: Path) -> None:
     assert_corrupt_miss(backend, pool, names[1])
 
 
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_misdirected_write_is_a_miss_never_wrong_data(tmp_path: Path, kind: str) -> None:
+    """#12: page 2's bytes and checksum stored under page 1's name (a backend bug that
+    mixes up names). Before, the checksum covered the bytes only and the get returned
+    page 2's KV as page 1's; now it covers the hash, so the entry is a corrupt miss."""
+    backend: StorageBackend = (MemoryBackend() if kind == "memory"
+                               else FileBackend(tmp_path / "store"))
+    pool = host_pool()
+    fill(pool, source_slots())
+    names = hashes(2)
+    assert backend.set(names[1:], pool, source_slots()[P:2 * P]) == 1
+    second = backend.read_page(names[1])
+    assert second.status == "hit"
+    backend.write_page(names[0], second.payload, second.checksum)  # under the wrong name
+    before = pool.read(target_slots()[:P])
+    assert backend.get(names[:1], pool, target_slots()[:P]) == 0
+    assert backend.metrics.corrupt == 1
+    assert torch.equal(pool.read(target_slots()[:P]), before)  # no byte was taken
+    assert not backend.has_page(names[0])  # discarded
+    assert backend.get(names[1:], pool, target_slots()[:P]) == 1  # page 2 is intact
+
+
+def test_the_checksum_covers_the_page_hash() -> None:
+    payload = b"kv bytes"
+    first, second = hashes(2)
+    assert checksum(payload, first) != checksum(payload, second)
+    assert len(checksum(payload, first)) == 32
+    with pytest.raises(StorageArgumentError) as caught:
+        checksum(payload, "../x")
+    assert caught.value.argument == "page_hash"
+
+
+def test_a_version_1_page_file_is_a_corrupt_miss_then_rewritten(tmp_path: Path) -> None:
+    """Files written before the checksum covered the hash (format version 1) are never
+    read as data: a miss, and the next backup writes the page again."""
+    backend, pool, names = stored(tmp_path)
+    path = backend.path_of(names[0])
+    data = bytearray(path.read_bytes())
+    data[8:12] = (1).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    assert_corrupt_miss(backend, pool, names[0])
+    assert backend.set(names, pool, source_slots()[:P]) == 1
+    assert backend.get(names, pool, target_slots()[:P]) == 1
+
+
+BAD_HASHES = ["../x", "../../etc/passwd", "/tmp/x", "ab/../../x", "0" * 63, "A" * 64, "",
+              "0" * 62 + "/x", 7, None, b"0" * 64]
+
+
+@pytest.mark.parametrize("bad", BAD_HASHES, ids=repr)
+@pytest.mark.parametrize("primitive", ["has_page", "read_page", "discard_page",
+                                       "write_page", "path_of"])
+def test_every_file_primitive_rejects_a_bad_page_hash_and_touches_nothing(
+        tmp_path: Path, bad: object, primitive: str) -> None:
+    """#12: before, ``discard_page("../x")`` unlinked ``<root>/../x.page`` (outside the
+    root) and ``write_page`` could create files there; now every primitive checks the
+    hash first (StorageArgumentError naming ``page_hash``)."""
+    root = tmp_path / "store"
+    backend = FileBackend(root)
+    victim = tmp_path / "x.page"  # what "../x" named before
+    victim.write_bytes(b"keep me")
+    before = sorted(tmp_path.rglob("*"))
+    arguments: tuple[object, ...] = (bad,)
+    if primitive == "write_page":
+        arguments = (bad, b"payload", b"\x00" * 32)
+    with pytest.raises(StorageArgumentError) as caught:
+        getattr(backend, primitive)(*arguments)
+    assert caught.value.argument == "page_hash"
+    assert sorted(tmp_path.rglob("*")) == before and victim.read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("primitive", ["has_page", "read_page", "discard_page", "write_page"])
+def test_every_memory_primitive_rejects_a_bad_page_hash(primitive: str) -> None:
+    backend = MemoryBackend()
+    arguments: tuple[object, ...] = ("../x",)
+    if primitive == "write_page":
+        arguments = ("../x", b"payload", b"\x00" * 32)
+    with pytest.raises(StorageArgumentError) as caught:
+        getattr(backend, primitive)(*arguments)
+    assert caught.value.argument == "page_hash" and len(backend) == 0
+
+
+@pytest.mark.parametrize(("payload", "page_checksum", "argument"), [
+    ("text", b"\x00" * 32, "payload"), (None, b"\x00" * 32, "payload"),
+    (b"payload", b"\x00" * 31, "page_checksum"), (b"payload", "0" * 32, "page_checksum"),
+])
+def test_write_page_checks_its_payload_and_checksum(backend: StorageBackend, payload: object,
+                                                    page_checksum: object,
+                                                    argument: str) -> None:
+    with pytest.raises(StorageArgumentError) as caught:
+        backend.write_page(hashes(1)[0], payload, page_checksum)  # type: ignore[arg-type]
+    assert caught.value.argument == argument
+    assert not backend.has_page(hashes(1)[0])
+
+
 def test_a_corrupt_page_is_stored_again_by_the_next_backup(tmp_path: Path) -> None:
     backend, pool, names = stored(tmp_path)
     path = backend.path_of(names[0])
@@ -531,3 +628,44 @@ def test_bad_fault_arguments_are_typed_errors(make: object, argument: str) -> No
     with pytest.raises(StorageArgumentError) as raised:
         make()  # type: ignore[operator]
     assert raised.value.argument == argument
+
+
+FOREIGN_KINDS = ["runtime_error", "os_error", "memory_error"]
+
+
+@pytest.mark.parametrize("kind", FOREIGN_KINDS)
+@pytest.mark.parametrize("operation", ["exists", "get", "set"])
+@pytest.mark.parametrize("at_page", [0, 2])
+def test_a_foreign_exception_is_restated_as_a_storage_error(kind: str, operation: str,
+                                                            at_page: int) -> None:
+    """#17: RuntimeError, OSError or MemoryError out of a backend call reaches the caller
+    as a StorageError with the leading pages done before it (as ``raise``/``die``)."""
+    backend, pool, names = controlled()
+    backend.inject(operation, Fault(kind, at_page))  # type: ignore[arg-type]
+    call = {"exists": lambda: backend.exists(names),
+            "get": lambda: backend.get(names, pool, target_slots()),
+            "set": lambda: backend.set(hashes(PAGES, "other"), pool, source_slots())}
+    with pytest.raises(StorageError) as raised:
+        call[operation]()
+    assert raised.value.pages_done == at_page and kind.split("_")[0] in str(raised.value).lower()
+    assert backend.metrics.errors == 1
+    if operation == "get":
+        assert leading_pages_equal(pool, at_page) and rest_is_nan(pool, at_page)
+    if operation == "set":
+        assert backend.exists(hashes(PAGES, "other")) == at_page
+    assert call[operation]() == PAGES  # one fault, one call
+
+
+@pytest.mark.parametrize("operation", ["exists", "get", "set"])
+def test_an_interrupt_goes_through_a_backend_call_unchanged(operation: str) -> None:
+    backend, pool, names = controlled()
+    backend.inject(operation, Fault("interrupt", 1))
+    call = {"exists": lambda: backend.exists(names),
+            "get": lambda: backend.get(names, pool, target_slots()),
+            "set": lambda: backend.set(hashes(PAGES, "other"), pool, source_slots())}
+    with pytest.raises(InjectedInterrupt):
+        call[operation]()
+    assert backend.metrics.errors == 1
+    if operation == "get":
+        assert rest_is_nan(pool, 0)  # an interrupt says nothing of the pages done
+    assert call[operation]() == PAGES

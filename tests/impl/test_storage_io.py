@@ -17,6 +17,7 @@ from hiradix.storage import (
     BackupResult,
     ControlledBackend,
     Fault,
+    InjectedInterrupt,
     MemoryBackend,
     PageIdentity,
     PageRead,
@@ -378,3 +379,52 @@ def test_bad_constructor_arguments_are_typed_errors(pool: HostKVPool,
     with pytest.raises(StorageArgumentError) as raised:
         StorageIO(**call)  # type: ignore[arg-type]
     assert raised.value.argument == argument
+
+
+# -- interrupts: every operation still gets its one result (#12, #17) ----------------------
+
+
+def test_an_interrupt_in_run_pending_posts_the_result_then_reaches_the_caller(
+        stored: ControlledBackend, synchronous: StorageIO) -> None:
+    """Before, a BaseException escaped ``_execute`` with no result posted (the slots of
+    the operation were held forever) and took the queued operations with it."""
+    stored.inject("get", "ok", Fault("interrupt", 0))  # the second page's batch
+    synchronous.submit_prefetch("p", NAMES, slots(1))
+    synchronous.submit_backup("b", NAMES, slots(0))
+    with pytest.raises(InjectedInterrupt):
+        synchronous.run_pending()
+    (result,) = synchronous.drain_prefetch()
+    assert (result.op_id, result.pages_hit, result.pages_done) == ("p", PAGES, 1)
+    assert result.error is not None and isinstance(result.error.__cause__, InjectedInterrupt)
+    assert synchronous.prefetch_progress("p") is None  # no longer running: id reusable
+    assert synchronous.drain_backup() == []  # still queued, not lost
+    assert synchronous.run_pending() == 1
+    assert synchronous.drain_backup() == [BackupResult("b", PAGES)]
+    assert synchronous.dead("prefetch") is None  # no thread to die
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_interrupt_ends_the_thread_and_every_operation_still_gets_a_result(
+        stored: ControlledBackend, threaded: StorageIO) -> None:
+    stored.inject("get", "slow", Fault("interrupt", 0))
+    threaded.submit_prefetch("a", NAMES, slots(1))
+    assert stored.wait_held(timeout_s=WAIT_S)
+    threaded.submit_prefetch("b", NAMES, slots(2))  # queued behind a
+    stored.release()
+    results = [threaded.wait_prefetch(WAIT_S) for _ in range(2)]
+    assert [r.op_id for r in results if r is not None] == ["a", "b"]
+    first, second = results
+    assert first is not None and (first.pages_hit, first.pages_done) == (PAGES, 1)
+    assert first.error is not None
+    assert second is not None and second.pages_done == 0 and second.error is not None
+    assert "died" in second.error.reason
+    wait_until(lambda: not threaded.threads[0].is_alive())
+    assert threaded.dead("prefetch") is not None and threaded.dead("backup") is None
+    threaded.submit_prefetch("c", NAMES, slots(2))  # fails at once, with a result
+    late = threaded.wait_prefetch(WAIT_S)
+    assert late is not None and late.op_id == "c" and late.error is not None
+    threaded.submit_backup("w", NAMES, slots(0))  # the other direction lives on
+    assert threaded.wait_backup(WAIT_S) == BackupResult("w", PAGES)
+    with pytest.raises(StorageArgumentError) as caught:
+        threaded.dead("neither")  # type: ignore[arg-type]
+    assert caught.value.argument == "kind"
