@@ -15,10 +15,12 @@ operation are timed on every engine in turn:
   host copies come back); each engine finds its own (eviction orders differ). The call
   counts in the table show where an engine did not load.
 
-Memory: each engine alone is filled to an eighth of the target; the Python heap it grew
-by (tracemalloc, plus its slot tensors) and the process's resident memory growth, per
-cached token. The KV pools are allocated before the fill; the resident growth includes
-the host KV pages first written by the fill (``KV_BYTES`` per token per tier).
+Memory: each engine alone, in a process of its own, is filled to an eighth of the
+target; the Python heap it grew by (tracemalloc, plus its slot tensors) and the
+process's resident memory growth, per cached token (in a second process, without
+tracemalloc, whose own records would count). The KV pools are allocated before the
+fill; the resident growth includes the host KV pages first written by the fill
+(``KV_BYTES`` per token per tier).
 
 Bandwidth: ours with a KV shape of 4 KiB per token per layer, so each copy of
 ``BANDWIDTH_TOKENS`` tokens moves 4 MiB per layer: backup (``write_backup`` and its
@@ -31,7 +33,10 @@ its adapters with a fixed tiny KV shape, so the bandwidth rows are ours only.
 from __future__ import annotations
 
 import gc
+import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -191,7 +196,7 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
         cached = sum(g.cached for g in groups)
         for op in ("match_prefix", "insert", "evict", "load_back"):
             ours = samples["ours"].get(op, [])
-            row = [f"{prefix_len // 1024} k", f"{cached / 1e6:.2f} M", op,
+            row = [f"{prefix_len:,}", f"{cached:,}", op,
                    _cell(ours, None)]
             for engine in engines[1:]:
                 if op == "load_back" and engine.name in DEVICE_ONLY:
@@ -216,34 +221,50 @@ def _cell(samples: list[float], ours: list[float] | None) -> str:
 
 def memory(page_size: int, target: int, seed: int) -> Iterator[list[str]]:
     """Rows: engine, cached tokens, Python heap bytes per token (tracemalloc and slot
-    tensors), resident memory growth per token."""
+    tensors), resident memory growth per token. Each engine runs in a process of its
+    own: in one process an engine reuses the heap the previous one freed, and the
+    resident size does not grow."""
+    for index in range(1 + len(competitors(page_size))):
+        row = []
+        for traced in (1, 0):
+            done = subprocess.run([sys.executable, "-m", "hiradix.conformance.bench_scale",
+                                   str(index), str(page_size), str(target), str(seed),
+                                   str(traced)], capture_output=True, text=True, check=True)
+            row.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        heap, resident = row
+        yield [*heap[:3], resident[3]]
+
+
+def _memory_of(index: int, page_size: int, target: int, seed: int,
+               traced: int) -> list[str]:
+    """``memory``'s row for engine ``index`` (0: ours, then ``competitors``' order);
+    the heap figure only if ``traced``, the resident figure only if not."""
     budget = max(target // 8, 1)
     device = capacity(budget, page_size)
-    for make in [lambda d, h: Ours(page_size, d, h), *competitors(page_size)]:
-        tokens = Tokens(seed)  # the same requests for every engine
-        engine = make(device, 2 * device)
-        groups: list[Group] = []
-        while sum(g.cached for g in groups) < budget:
-            groups.append(Group(tokens(PREFIXES[0]), tokens))
-        requests = [r for g in groups for r in g.requests]
-        keys = [engine.key(r) for r in requests]
+    make = [lambda d, h: Ours(page_size, d, h), *competitors(page_size)][index]
+    tokens = Tokens(seed)  # the same requests for every engine
+    groups: list[Group] = []
+    while sum(g.cached for g in groups) < budget:
+        groups.append(Group(tokens(PREFIXES[0]), tokens))
+    requests = [r for g in groups for r in g.requests]
+    engine = make(device, 2 * device)
+    keys = [engine.key(r) for r in requests]
 
-        def build(engine: Any = engine, keys: list[Any] = keys,
-                  requests: list[tuple[int, ...]] = requests) -> None:
-            for key, request in zip(keys, requests, strict=True):
-                engine.serve(key, len(request))
+    def build() -> None:
+        for key, request in zip(keys, requests, strict=True):
+            engine.serve(key, len(request))
 
-        gc.collect()
-        before = _resident()
-        measured = engine.metadata(build)
-        gc.collect()
-        grown = _resident() - before
-        cached = sum(g.cached for g in groups)
-        heap = "n/a (Rust heap)" if measured is None else f"{measured[0] / measured[1]:.1f}"
-        yield [engine.name, f"{cached:,}", heap, f"{grown / cached:.1f}"]
-        engine.close()
-        del engine, keys
-        gc.collect()
+    gc.collect()
+    before = _resident()
+    measured = engine.metadata(build) if traced else build()
+    gc.collect()
+    grown = _resident() - before
+    cached = sum(g.cached for g in groups)
+    heap = "n/a (Rust heap)" if measured is None else f"{measured[0] / measured[1]:.1f}"
+    if not traced:
+        heap = ""
+    engine.close()
+    return [engine.name, f"{cached:,}", heap, f"{grown / cached:.1f}"]
 
 
 def bandwidth(page_size: int = 16, tokens: int = BANDWIDTH_TOKENS,
@@ -324,3 +345,7 @@ def report(page_size: int, target: int, seed: int) -> None:
     _print(["copy", "MiB per layer", "GB/s best", "GB/s median", "share of memcpy best",
             "share median"], bandwidth(page_size))
     print(f"({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":  # one row of ``memory``, in a process of its own
+    print(json.dumps(_memory_of(*(int(value) for value in sys.argv[1:6]))))

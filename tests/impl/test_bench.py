@@ -1,0 +1,48 @@
+"""``hiradix bench``'s parts that run without SGLang: options, the scaling tables on ours,
+the bandwidth rows, and the message when no SGLang is installed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from hiradix.conformance import bench, bench_scale
+
+
+def test_options_fill_what_an_older_parser_lacks() -> None:
+    args = bench.options(argparse.Namespace(page_sizes=[16], scale=1.0, seed=3))
+    assert (args.page_sizes, args.scale, args.seed) == ([16], 1.0, 3)
+    assert args.large is False and args.large_tokens == 1 << 20 and args.large_only is False
+
+
+def test_without_sglang_the_bench_says_what_to_install(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "competitors", lambda page_size: [])
+    assert bench.main(argparse.Namespace()) == 2
+    err = capsys.readouterr().err
+    assert "make sglang-env" in err and "make sglang23-env" in err
+
+
+def test_the_scaling_rows_time_every_operation_on_ours(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench_scale, "competitors", lambda page_size: [])
+    monkeypatch.setattr(bench_scale, "SUFFIX", 32)
+    monkeypatch.setattr(bench_scale, "PROBES", 3)
+    names, rows = bench_scale.scaling(16, 2048, 0, prefixes=(256,))
+    assert names == ["ours"]
+    checkpoints = bench_scale.checkpoints(2048)
+    assert [r[2] for r in rows] == ["match_prefix", "insert", "evict", "load_back"] * len(
+        checkpoints)
+    # Every probe ran: three calls of each operation at each checkpoint, load-backs
+    # included (the evicted suffixes come back from host).
+    assert all(r[3].endswith("(3)") for r in rows), rows
+    cached = [int(r[1].replace(",", "")) for r in rows[::4]]
+    assert all(c >= p for c, p in zip(cached, checkpoints, strict=True)), (cached, checkpoints)
+
+
+def test_the_bandwidth_rows_compare_each_copy_with_memcpy() -> None:
+    rows = bench_scale.bandwidth(page_size=16, tokens=256, repeats=2)
+    assert [r[0].split(" ")[0] for r in rows] == ["memcpy", "backup:", "load_back:"]
+    assert rows[0][1] == "1.0"  # 256 tokens of 4 KiB per layer
+    assert rows[0][4] == "1.00" and all(float(r[2]) > 0 for r in rows)
