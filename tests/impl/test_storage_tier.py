@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hiradix.cache import HiRadixCache
-from hiradix.clock import ManualClock
+from hiradix.clock import CountingClock, ManualClock, MonotonicClock
 from hiradix.conformance.scenario import Scenario
 from hiradix.errors import InvalidArgument
 from hiradix.keys import RadixKey
@@ -474,5 +474,84 @@ def test_reset_with_storage_in_flight_stops_the_io_and_keeps_the_stored_pages(
     assert tier.pop_prefetch_loaded_tokens("r") == len(KEY.tokens)
     assert cache.match_prefix(KEY).host_hit_length == len(KEY.tokens)
     tier.drain_storage_queues()
+    tier.check()
+    cache.check_invariants()
+
+
+# -- which clock counts timeouts (spec/09 9.1) ----------------------------------------------
+
+
+class FakeNanoseconds:
+    """A monotonic nanosecond source the test moves."""
+
+    def __init__(self) -> None:
+        self.value = 5_000_000_000
+
+    def __call__(self) -> int:
+        return self.value
+
+
+def test_monotonic_clock_counts_milliseconds_since_it_was_made_and_never_goes_back() -> None:
+    source = FakeNanoseconds()
+    clock = MonotonicClock(source=source)
+    assert clock.now() == 0
+    source.value += 1_999_999
+    assert clock.now() == 1
+    source.value += 1
+    assert clock.now() == 2
+    source.value -= 10_000_000  # a broken source steps back: ticks do not
+    assert clock.now() == 2
+    assert MonotonicClock(ticks_per_second=1).now() == 0
+    real = MonotonicClock()
+    first = real.now()
+    assert real.now() >= first >= 0
+
+
+@pytest.mark.parametrize(("make", "argument"), [
+    (lambda: MonotonicClock(ticks_per_second=0), "ticks_per_second"),
+    (lambda: MonotonicClock(ticks_per_second=True), "ticks_per_second"),
+    (lambda: MonotonicClock(source=5), "source"),  # type: ignore[arg-type]
+    (lambda: MonotonicClock(source=lambda: 1.5), "source"),  # type: ignore[arg-type, return-value]
+    (lambda: ManualClock(-1), "tick"),
+    (lambda: ManualClock().advance(-1), "ticks"),
+    (lambda: StorageTier(Scenario().build(ManualClock(1), None), timeout_clock=3),  # type: ignore[arg-type]
+     "timeout_clock"),
+])
+def test_bad_clock_arguments_are_typed_errors(make: object, argument: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        make()  # type: ignore[operator]
+    assert caught.value.argument == argument
+
+
+def test_the_default_timeout_clock_is_logical_in_tests_and_wall_time_for_engines() -> None:
+    manual = ManualClock(1)
+    assert StorageTier(Scenario().build(manual, None)).timeout_clock is manual
+    engine = Scenario().build(CountingClock(), None)  # type: ignore[arg-type]
+    assert isinstance(StorageTier(engine).timeout_clock, MonotonicClock)
+
+
+def test_a_timeout_counts_the_wall_clock_not_the_caches_ticks() -> None:
+    """Before, timeouts counted the cache's clock, which for an engine (CountingClock)
+    counts operations: a prefetch timed out after so many calls, whatever the time."""
+    source = FakeNanoseconds()
+    backend = ControlledBackend(MemoryBackend())
+    cache = Scenario(host_pages=8, device_pages=6).build(CountingClock(), None)  # type: ignore[arg-type]
+    tier = StorageTier(cache, timeout_clock=MonotonicClock(source=source))
+    settings = TierSettings(prefetch_threshold=2, prefetch_token_limit=1000,
+                            prefetch_policy="timeout", timeout_base=100,
+                            timeout_per_ki_token=0, timeout_max=100)
+    tier.attach(backend, "model-a", settings, threaded=False)
+    fill(cache, tier)
+    settle(tier)
+    cache.evict(len(KEY.tokens))
+    cache.evict_host(len(KEY.tokens))
+    assert tier.prefetch_from_storage("r", KEY) == len(KEY.tokens)  # never run: no progress
+    for _ in range(50):  # many operations, no time: no timeout
+        assert not tier.check_prefetch_progress("r")
+    source.value += 100_000_000  # 100 ms: at the limit, not past it
+    assert not tier.check_prefetch_progress("r")
+    source.value += 1_000_000
+    assert tier.check_prefetch_progress("r") and tier.metrics.prefetch_timeouts == 1
+    settle(tier)
     tier.check()
     cache.check_invariants()
