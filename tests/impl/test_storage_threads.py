@@ -22,7 +22,7 @@ from hiradix.storage.tier import StorageTier, TierSettings
 
 P = 2
 KEYS = [RadixKey(tuple([k] * 2 + list(range(10 * k, 10 * k + 6)))) for k in range(1, 7)]
-ROUNDS = 60
+ROUNDS = 200
 
 
 def conserved(cache: HiRadixCache, tier: StorageTier) -> None:
@@ -102,7 +102,7 @@ def test_threads_hammering_one_tier_leave_it_consistent(workers: int) -> None:
     threads = [threading.Thread(target=hammer, args=(tier, cache, worker, errors))
                for worker in range(workers)]
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # switch threads often: races show up in a short run
+    sys.setswitchinterval(1e-6)  # switch threads often: races show up in a short run
     try:
         for thread in threads:
             thread.start()
