@@ -17,20 +17,26 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from hiradix._slots import is_int
 from hiradix.clock import Clock, CountingClock
-from hiradix.config import CacheConfig
+from hiradix.config import CacheConfig, KVShape
 from hiradix.decisions import BackupDecision, DeviceVictim, LoadDecision, PageRef, Recorder
 from hiradix.device_pool import DeviceKVPool
 from hiradix.distributed import LocalSync, RankSync
-from hiradix.errors import ForeignNode, InvalidArgument, NotLocked
-from hiradix.host_pool import HostKVPool
+from hiradix.errors import ConfigError, ForeignNode, InvalidArgument, NotLocked, SlotError
+from hiradix.host_pool import HostKVPool, HostLayout
 from hiradix.keys import RadixKey, common_pages
-from hiradix.policies import backup_threshold, rank
-from hiradix.transfer import Direction, TransferEngine
+from hiradix.policies import Strategy, WritePolicy, backup_threshold, rank
+from hiradix.transfer import Direction, EngineKind, TransferEngine, make_engine
 from hiradix.tree import TreeNode, split
+
+if TYPE_CHECKING:  # the storage tier imports this module
+    from hiradix.storage.backend import StorageBackend
+    from hiradix.storage.tier import StorageTier, TierSettings
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -71,6 +77,61 @@ class PendingCopy:
 
 
 class HiRadixCache:
+    """The two-tier radix KV cache. ``create`` builds one with its pools in one call; the
+    constructor takes pools built by hand. Method names follow SGLang's ``HiRadixCache``
+    (``match_prefix``, ``insert``, ``inc_lock_ref``, ``init_load_back``, ``writing_check``,
+    ``evictable_size``, ``attach_storage_backend``); README.md tabulates the differences.
+    """
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        device_slots: int,
+        page_size: int = 1,
+        host_ratio: float | None = 2.0,
+        host_bytes: int | None = None,
+        kv: KVShape | None = None,
+        device: torch.device | str = "cpu",
+        write_policy: WritePolicy = "write_through",
+        eviction: Strategy = "lru",
+        host_layout: HostLayout = "layer_first",
+        load_back_threshold: int = 10,
+        transfer: EngineKind = "auto",
+        clock: Clock | None = None,
+        sync: RankSync | None = None,
+    ) -> HiRadixCache:
+        """A cache with its device pool (``device_slots`` token slots of ``kv`` on
+        ``device``), its host pool (``host_ratio`` times the device slots, or
+        ``host_bytes``, as SGLang's ``--hicache-ratio`` / ``--hicache-size``; give
+        ``host_bytes`` and ``host_ratio=None``) and its copy engine (``auto``: CUDA streams
+        on a CUDA device, else synchronous copies). Every argument is checked before
+        anything is allocated; a bad one raises ``ConfigError`` naming it."""
+        config = CacheConfig(page_size=page_size, write_policy=write_policy, eviction=eviction,
+                             load_back_threshold=load_back_threshold)
+        if not is_int(device_slots) or device_slots < page_size \
+                or device_slots % page_size:  # type: ignore[operator]
+            raise ConfigError("device_slots", f"must be an int, a positive multiple of "
+                                              f"page_size {page_size}, got {device_slots!r}")
+        shape = KVShape() if kv is None else kv
+        if not isinstance(shape, KVShape):
+            raise ConfigError("kv", f"must be a KVShape, got {type(kv).__name__}")
+        renamed = {"ratio": "host_ratio", "size_bytes": "host_bytes",
+                   "ratio/size_bytes": "host_ratio/host_bytes", "layout": "host_layout",
+                   "kind": "transfer"}
+        try:
+            device_pool = DeviceKVPool(
+                num_slots=device_slots, page_size=page_size, layers=shape.layers,
+                layout=shape.layout, heads=shape.heads, head_dim=shape.head_dim,
+                latent_dim=shape.latent_dim, dtype=shape.dtype, device=device)
+            host_pool = HostKVPool.for_device(device_pool, ratio=host_ratio,
+                                              size_bytes=host_bytes, layout=host_layout)
+            engine = make_engine(transfer, device_pool, host_pool)
+        except SlotError as error:  # the pools' argument names, in this method's words
+            raise ConfigError(renamed.get(error.argument, error.argument),
+                              error.reason) from error
+        return cls(config, device_pool, host_pool, engine, clock=clock, sync=sync)
+
     def __init__(
         self,
         config: CacheConfig,
@@ -98,6 +159,8 @@ class HiRadixCache:
         # Called first by reset, so a storage tier stops its I/O before the pools are
         # reset under it and drops what it held of the old tree (spec/09, 9.4).
         self.on_reset: Callable[[], None] | None = None
+        self._storage: StorageTier | None = None  # attach_storage_backend's tier
+        self._in_tier_writing_check = False
         self._threshold = backup_threshold(config.write_policy)
         self._offsets = torch.arange(self.page_size, dtype=torch.int64)  # within a page
         self.reset()
@@ -212,9 +275,20 @@ class HiRadixCache:
     def _require_slots(self, slots: object, length: int, argument: str) -> torch.Tensor:
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise InvalidArgument(argument, "must be a 1-D torch.int64 tensor")
+        if slots.device.type == "meta":
+            raise InvalidArgument(argument, "is on the meta device, which holds no values")
         if slots.numel() != length:
             raise InvalidArgument(argument, f"must hold {length} slots, got {slots.numel()}")
         return slots.to("cpu")
+
+    @staticmethod
+    def _require_count(value: object, argument: str, *, optional: bool = False) -> None:
+        """An int >= 0 (None too if ``optional``); a bool is no count."""
+        if optional and value is None:
+            return
+        if not is_int(value) or value < 0:  # type: ignore[operator]
+            raise InvalidArgument(argument, f"must be {'None or ' if optional else ''}"
+                                            f"an int >= 0, got {value!r}")
 
     # ------------------------------------------------------------------ match
 
@@ -330,8 +404,10 @@ class HiRadixCache:
         """
         key = self._require_key(key)
         slots = self._require_slots(slots, len(key.tokens), "slots")
-        if not isinstance(priority, int):
-            raise InvalidArgument("priority", "must be an int")
+        if not is_int(priority):
+            raise InvalidArgument("priority", f"must be an int, got {priority!r}")
+        if not isinstance(chunked, bool):
+            raise InvalidArgument("chunked", f"must be a bool, got {chunked!r}")
         aligned = key.aligned_length(self.page_size)
         self._require_counted_from(counted_from, aligned)
         self._check_insert_slots(key, slots, aligned)
@@ -453,8 +529,21 @@ class HiRadixCache:
         return self._backup(run[::-1])
 
     def writing_check(self) -> int:
-        """Acknowledge the device-to-host copies that finished (FIFO); return how many."""
-        return self._acknowledge("d2h")
+        """Acknowledge the device-to-host copies that finished (FIFO); return how many.
+
+        With a backend attached by ``attach_storage_backend`` this is also where the
+        acknowledged pages the backend lacks are written to storage (spec/09, S-R1), as
+        SGLang's ``writing_check`` does: the one call an engine makes. The tier's own
+        ``writing_check`` calls back into this one, which then only acknowledges.
+        """
+        tier = self._storage
+        if tier is None or not tier.attached or self._in_tier_writing_check:
+            return self._acknowledge("d2h")
+        self._in_tier_writing_check = True
+        try:
+            return tier.writing_check()
+        finally:
+            self._in_tier_writing_check = False
 
     def loading_check(self) -> int:
         """Acknowledge the host-to-device copies that finished (FIFO); return how many."""
@@ -518,8 +607,7 @@ class HiRadixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens in rank order (or all evictable)."""
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidArgument("num_tokens", "must be an int >= 0")
+        self._require_count(num_tokens, "num_tokens")
         evicted, victims = self._evict(num_tokens)
         if self.recorder is not None:
             self.recorder.device_victims.extend(victims)
@@ -635,8 +723,7 @@ class HiRadixCache:
 
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens of host-only pages (or all evictable)."""
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidArgument("num_tokens", "must be an int >= 0")
+        self._require_count(num_tokens, "num_tokens")
         evicted, victims = self._evict_host(num_tokens)
         if self.recorder is not None:
             self.recorder.host_victims.extend(victims)
@@ -677,8 +764,7 @@ class HiRadixCache:
         node = self._require_node(node)
         if node is self.root or node.device is not None:
             raise InvalidArgument("node", "must be a node whose KV is only on host")
-        if mem_quota is not None and (not isinstance(mem_quota, int) or mem_quota < 0):
-            raise InvalidArgument("mem_quota", "must be None or an int >= 0")
+        self._require_count(mem_quota, "mem_quota", optional=True)
         chain = []
         cursor: TreeNode = node
         while cursor is not self.root and cursor.device is None:
@@ -732,6 +818,7 @@ class HiRadixCache:
                        mem_quota: int | None = None) -> tuple[torch.Tensor, TreeNode]:
         """Load ``node`` back if it is host-only; return the slots and the node to use."""
         node = self._require_node(node)
+        self._require_count(mem_quota, "mem_quota", optional=True)
         if node is self.root or node.device is not None:
             return EMPTY, node
         loaded = self.load_back(node, mem_quota)
@@ -741,6 +828,78 @@ class HiRadixCache:
             assert node.parent is not None
             node = node.parent
         return EMPTY, node
+
+    # ------------------------------------------------------------------ caller slots
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` (a page multiple) free device slots for the caller, or None if
+        too few are free (call ``evict`` and retry). SGLang's
+        ``token_to_kv_pool_allocator.alloc``."""
+        return self.device_pool.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Give back device slots the caller holds (whole pages; the partial tail page and
+        the duplicates ``insert`` reports). Slots a node owns are refused with
+        ``InvalidArgument("slots")`` and nothing is freed: freeing them would let the next
+        ``alloc`` hand out the tree's KV (issue 12). SGLang's allocator ``free``."""
+        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
+            raise InvalidArgument("slots", "must be a 1-D torch.int64 tensor")
+        if slots.device.type == "meta":
+            raise InvalidArgument("slots", "is on the meta device, which holds no values")
+        checked = slots.to("cpu")
+        in_range = (checked >= 0) & (checked < self.device_pool.num_slots)
+        if not bool(in_range.all()):
+            bad = int(checked[~in_range][0])
+            raise InvalidArgument("slots", f"slot {bad} is out of range "
+                                           f"[0, {self.device_pool.num_slots})")
+        owned = self._device_owned[checked]
+        if bool(owned.any()):
+            position = int(owned.nonzero()[0])
+            raise InvalidArgument("slots", f"slot {int(checked[position])} (slots[{position}]) "
+                                           "belongs to a cached node; only slots the caller "
+                                           "holds may be freed")
+        self.device_pool.free(checked)  # whole pages, allocated, none twice: else SlotError
+
+    # ------------------------------------------------------------------ storage
+
+    @property
+    def storage(self) -> StorageTier | None:
+        """The storage tier ``attach_storage_backend`` made (None before the first
+        attach; kept after ``detach_storage_backend``, detached). Prefetching goes
+        through it: ``query_storage_hit_length``, ``prefetch_from_storage``,
+        ``check_prefetch_progress``, ``drain_storage_queues`` (spec/09, 9.4)."""
+        return self._storage
+
+    def attach_storage_backend(self, backend: StorageBackend, model_identity: str,
+                               settings: TierSettings | None = None, *, threaded: bool = True,
+                               batch_pages: int = 1
+                               ) -> Literal["attached", "policies updated"]:
+        """Attach a storage tier below the host tier (spec/09, 9.4 ``attach_storage``);
+        from then on ``writing_check`` backs acknowledged pages up to it and
+        ``check_invariants`` counts the host slots it holds. Re-attaching the same backend
+        only updates the prefetch policy. Typed errors leave everything as it was."""
+        from hiradix.storage.tier import StorageTier  # the tier imports this module
+
+        tier = self._storage
+        previous_reset = self.on_reset
+        if tier is None:
+            tier = StorageTier(self)  # it installs its reset hook
+        try:
+            outcome = tier.attach(backend, model_identity, settings, threaded=threaded,
+                                  batch_pages=batch_pages)
+        except BaseException:
+            self.on_reset = previous_reset  # a failed first attach leaves no tier behind
+            raise
+        self._storage = tier
+        return outcome
+
+    def detach_storage_backend(self) -> bool:
+        """Detach the storage tier (spec/09, 9.4 ``detach_storage``): its I/O drains and
+        stops, every slot it held is given back. False if none was attached."""
+        if self._storage is None or not self._storage.attached:
+            return False
+        self._storage.detach()
+        return True
 
     # ------------------------------------------------------------------ inspection
 

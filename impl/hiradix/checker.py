@@ -119,10 +119,21 @@ def _host_pool(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     owned = [s for n in nodes if n.host is not None for s in n.host.tolist()]
     pool = cache.host_pool
     found = _ownership(owned, pool.free_slots(), pool.num_slots, "host")
-    # Only the tree allocates host slots, so every allocated one must be the tree's.
-    leaked = sorted(set(range(pool.num_slots)) - pool.free_slots() - set(owned))
+    # Only the tree and the storage tier (spec/09, 9.2: slots a prefetch reserved, or
+    # queued for release) allocate host slots: every allocated one is exactly one's.
+    outside = set(range(pool.num_slots)) - pool.free_slots() - set(owned)
+    tier = cache.storage
+    held = [] if tier is None else tier.host_slots_owned()
+    leaked = sorted(outside - set(held))
     if leaked:
         found.append(f"host slots allocated but owned by nobody (leaked): {leaked}")
+    claimed = sorted(set(held) - outside)
+    if claimed:
+        found.append(f"host slots the storage tier holds that are free or the tree's: "
+                     f"{claimed}")
+    twice = sorted(s for s, n in Counter(held).items() if n > 1)
+    if twice:
+        found.append(f"host slots the storage tier holds twice: {twice}")
     return found
 
 

@@ -6,17 +6,80 @@ common prefix of two keys is found by binary search over pages, never token by t
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
+import torch
+
+from hiradix.errors import InvalidArgument
+
 ChildKey = tuple[str | None, tuple[int, ...]]  # (namespace, first page of the segment)
+TokenIds = tuple[int, ...] | list[int] | range | torch.Tensor  # what RadixKey accepts
 
 
-@dataclass(frozen=True, slots=True)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _checked_tokens(tokens: object) -> tuple[int, ...]:
+    """``tokens`` as a tuple of Python ints in the int64 range; raise ``InvalidArgument``
+    naming ``tokens`` (or ``tokens[i]``) otherwise.
+
+    The fast path (a tuple or list of plain ints) is three C-level passes: the set of the
+    element types, then min and max. Everything else takes the slow path, which also
+    finds the first bad token for the message.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype not in _INTEGER_DTYPES:
+            raise InvalidArgument("tokens", f"a tensor of tokens must be 1-D with an integer "
+                                            f"dtype, got a {tokens.dim()}-D {tokens.dtype} "
+                                            "tensor")
+        if tokens.device.type == "meta":
+            raise InvalidArgument("tokens", "a tensor on the meta device holds no values")
+        return tuple(tokens.tolist())  # an integer dtype is in the int64 range
+    if type(tokens) is tuple or type(tokens) is list:
+        if not tokens:
+            return ()
+        if set(map(type, tokens)) == {int} and min(tokens) >= INT64_MIN \
+                and max(tokens) <= INT64_MAX:
+            return tuple(tokens)
+    elif isinstance(tokens, range):
+        if tokens and not (min(tokens) >= INT64_MIN and max(tokens) <= INT64_MAX):
+            raise InvalidArgument("tokens", f"{tokens!r} leaves the int64 range")
+        return tuple(tokens)
+    elif not isinstance(tokens, tuple | list):
+        raise InvalidArgument("tokens", f"must be a tuple, list, range or 1-D integer tensor "
+                                        f"of token ids, got {type(tokens).__name__}")
+    checked = []
+    for index, token in enumerate(tokens):  # the slow path: subclasses, numpy ints, errors
+        if isinstance(token, bool) or not hasattr(token, "__index__"):
+            raise InvalidArgument(f"tokens[{index}]", f"must be an int token id, got "
+                                                      f"{token!r} ({type(token).__name__})")
+        value = operator.index(token)
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise InvalidArgument(f"tokens[{index}]", f"{value} is outside the int64 range")
+        checked.append(value)
+    return tuple(checked)
+
+
+_INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class RadixKey:
-    """A request's token ids and namespace (SGLang's ``extra_key``)."""
+    """A request's token ids and namespace (SGLang's ``extra_key``), validated at
+    construction (issue 12): ``tokens`` may be a tuple, list, range or 1-D integer tensor
+    and is stored as a tuple of Python ints in the int64 range; ``namespace`` is a str or
+    None. Anything else raises ``InvalidArgument`` naming the argument."""
 
     tokens: tuple[int, ...]
     namespace: str | None = None
+
+    def __init__(self, tokens: TokenIds, namespace: str | None = None) -> None:
+        if namespace is not None and not isinstance(namespace, str):
+            raise InvalidArgument("namespace", f"must be a str or None, got "
+                                               f"{type(namespace).__name__}")
+        object.__setattr__(self, "tokens", _checked_tokens(tokens))
+        object.__setattr__(self, "namespace", namespace)
 
     def aligned_length(self, page_size: int) -> int:
         """Tokens that fill whole pages; the partial tail page is never cached."""

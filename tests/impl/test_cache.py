@@ -161,3 +161,95 @@ def test_hiradix_replay_command(tmp_path, capsys) -> None:  # type: ignore[no-un
     trace.write(str(path), config, "test", [step])
     assert main(["replay", str(path)]) == 1  # the empty cache matches nothing
     assert "line 2 (match_prefix)" in capsys.readouterr().out
+
+
+# -- the public constructor and the storage tier wired into the cache (issue 12) --------
+
+def storage_cache():  # type: ignore[no-untyped-def]
+    from hiradix import HiRadixCache, MemoryBackend, TierSettings
+
+    cache = HiRadixCache.create(device_slots=16, page_size=2, host_ratio=2.0,
+                                write_policy="write_through", load_back_threshold=0)
+    backend = MemoryBackend()
+    settings = TierSettings(prefetch_threshold=2, prefetch_policy="wait_complete")
+    assert cache.attach_storage_backend(backend, "model", settings, threaded=False) == "attached"
+    return cache, backend
+
+
+def test_the_caches_writing_check_backs_up_to_storage() -> None:
+    """Before issue 12 only StorageTier.writing_check wrote to storage; an engine calling
+    the cache's writing_check (SGLang's one call) silently stored nothing."""
+    cache, backend = storage_cache()
+    key = RadixKey((1, 2, 3, 4))
+    slots = cache.alloc(4)
+    cache.insert(key, slots)
+    assert cache.writing_check() == 1  # the copy to host, acknowledged once
+    tier = cache.storage
+    assert tier.metrics.writes_issued == 1 and tier.metrics.write_pages_issued == 2
+    tier.io.run_pending()
+    tier.drain_storage_queues()
+    assert len(backend) == 2
+    assert cache.writing_check() == 0 and tier.metrics.writes_issued == 1
+    cache.check_invariants()
+    tier.check()
+
+
+def test_check_invariants_counts_the_host_slots_a_prefetch_holds() -> None:
+    """INV-HOST-POOL-CONSERVATION used to false-alarm during any valid prefetch: the
+    host slots it reserved are the tier's, not leaked (spec/09, 9.2)."""
+    cache, _ = storage_cache()
+    key = RadixKey((1, 2, 3, 4))
+    cache.insert(key, cache.alloc(4))
+    cache.writing_check()
+    tier = cache.storage
+    tier.io.run_pending()
+    tier.drain_storage_queues()
+    cache.reset()  # a restart: the tree is gone, storage keeps the pages
+    assert tier.query_storage_hit_length(key) == 4
+    assert tier.prefetch_from_storage("r", key) == 4
+    assert sorted(tier.host_slots_owned()) != []
+    cache.check_invariants()  # slots reserved, I/O not run yet
+    tier.io.run_pending()
+    cache.check_invariants()  # landed, not yet inserted
+    assert tier.check_prefetch_progress("r")
+    assert tier.pop_prefetch_loaded_tokens("r") == 4
+    cache.check_invariants()
+    assert cache.match_prefix(key).host_hit_length == 4
+    stray = cache.host_pool.alloc(2)  # a real leak is still found with a tier attached
+    assert stray is not None
+    with pytest.raises(InvariantViolation) as raised:
+        cache.check_invariants()
+    assert raised.value.spec_id == "INV-HOST-POOL-CONSERVATION"
+    assert "leaked" in str(raised.value)
+
+
+def test_detach_through_the_cache_stops_storage_backups() -> None:
+    cache, backend = storage_cache()
+    assert cache.detach_storage_backend() is True
+    assert cache.detach_storage_backend() is False
+    cache.insert(RadixKey((1, 2)), cache.alloc(2))
+    assert cache.writing_check() == 1
+    assert cache.storage is not None and not cache.storage.attached
+    assert len(backend) == 0
+    cache.check_invariants()
+
+
+def test_create_builds_pools_matching_its_arguments() -> None:
+    from hiradix import HiRadixCache, KVShape
+
+    cache = HiRadixCache.create(device_slots=32, page_size=4, host_ratio=1.5,
+                                kv=KVShape(layers=3, layout="mla", latent_dim=6,
+                                           dtype=torch.float32), eviction="lfu")
+    assert cache.device_pool.num_slots == 32 and cache.host_pool.num_slots == 48
+    assert cache.device_pool.token_shape == (6,) and cache.device_pool.layers == 3
+    assert cache.page_size == 4 and cache.config.eviction == "lfu"
+    by_bytes = HiRadixCache.create(device_slots=8, host_ratio=None,
+                                   host_bytes=16 * cache_bytes_per_token())
+    assert by_bytes.host_pool.num_slots == 16
+
+
+def cache_bytes_per_token() -> int:
+    from hiradix import KVShape
+
+    shape = KVShape()  # defaults: 2 layers x K,V x 1 head x 8 dims x fp16
+    return shape.layers * 2 * shape.heads * shape.head_dim * 2
