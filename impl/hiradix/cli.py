@@ -15,19 +15,25 @@ import itertools
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from unittest import SkipTest
 
-from hypothesis import HealthCheck, seed, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    InMemoryExampleDatabase,
+)
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, probe, scenario_space
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
-from hiradix.conformance.machine import EXERCISED, Tally, make_machine
+from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
 from hiradix.conformance.scenario import Scenario
-from hiradix.conformance.storage_machine import make_storage_machine
+from hiradix.conformance.storage_machine import STORAGE_SWARM_RULES, make_storage_machine
+from hiradix.conformance.tally import TimeUp
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
 from hiradix_model import initial, trace
 
@@ -113,6 +119,31 @@ def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled"
     return "\n".join(lines) + "\n"
 
 
+class ScopedDatabase(ExampleDatabase):
+    """``inner`` with every key prefixed by ``scope``. Hypothesis keys a state machine's
+    examples by the source of its class, which is the same for every configuration
+    (``make_machine`` builds them all from one class body): without a scope, an example
+    saved for one configuration (a failure, or the pareto front of ``target()``) is
+    replayed in another, where the same choices draw differently."""
+
+    def __init__(self, inner: ExampleDatabase, scope: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.scope = scope.encode() + b"/"
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.inner.save(self.scope + key, value)
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return self.inner.fetch(self.scope + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.inner.delete(self.scope + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.inner.move(self.scope + src, self.scope + dest, value)
+
+
 def _progress(done: float, tally: Tally) -> None:
     if sys.stderr.isatty():
         bar = "#" * int(30 * min(done, 1.0))
@@ -126,9 +157,16 @@ def run(args: argparse.Namespace) -> int:
     tally = Tally()
     covered: set[Scenario] = set()
     started = time.monotonic()
+    # --seconds bounds the whole run, shrinking included: no example begins after the
+    # deadline (Tally.begin_example raises TimeUp), and a failure whose shrinking was cut
+    # short is replayed from the database as far as it got.
+    if args.examples is None:
+        tally.deadline = started + args.seconds
     # The example database pytest uses too (.hypothesis/examples under the working
     # directory, by default): a failure found once by either replays first in both.
-    database = None if args.database == "none" else DirectoryBasedExampleDatabase(args.database)
+    # 'none': one in memory, for this run's replay of a failure cut short.
+    database: ExampleDatabase = (InMemoryExampleDatabase() if args.database == "none"
+                                 else DirectoryBasedExampleDatabase(args.database))
     batch = settings(max_examples=args.batch, stateful_step_count=args.steps, deadline=None,
                      database=database, suppress_health_check=list(HealthCheck),
                      print_blob=False)
@@ -139,60 +177,99 @@ def run(args: argparse.Namespace) -> int:
         if args.examples is None and elapsed >= args.seconds:
             break
         scenario = scenarios[index % len(scenarios)]
+        machine = machine_for(args.engine, scenario, tally)
+        scoped = settings(batch, database=ScopedDatabase(
+            database, f"{args.engine}/{scenario.slug()}/{scenario.device}"))
         report: list[str] = []
+        cut_short = False
         try:
-            with with_reporter(report.append):
-                test = get_state_machine_test(machine_for(args.engine, scenario, tally),
-                                              settings=batch)
-                if args.seed is not None:
-                    # Each batch its own seed, so that a seeded campaign replays exactly
-                    # (as far as its time budget reaches).
-                    test = seed(args.seed * 1_000_003 + index)(test)
-                test()
+            try:
+                with with_reporter(report.append):
+                    test = get_state_machine_test(machine, settings=scoped)
+                    if args.seed is not None:
+                        # Each batch its own seed, so that a seeded campaign replays
+                        # exactly (as far as its time budget reaches).
+                        test = seed(args.seed * 1_000_003 + index)(test)
+                    test()
+            except TimeUp:
+                # The budget ran out in this batch: while generating (nothing to report)
+                # or while shrinking a failure: its smallest form so far is in the
+                # database, and one replay reports it.
+                tally.deadline = None
+                cut_short = True
+                report = []
+                with with_reporter(report.append):
+                    get_state_machine_test(machine, settings=settings(
+                        scoped, phases=[Phase.reuse]))()
+        except SkipTest:  # the replay found nothing failing: the time was simply up
+            break
         except Exception as failure:  # the reporting boundary: every
             # failure of the machine (a disagreement, an invariant, an illegal choice, a
             # crash) is a finding to print with its reproducer, then exit 1.
-            if sys.stderr.isatty():
-                print(file=sys.stderr)
-            # Hypothesis attaches the shrunk steps to the exception as notes; with several
-            # distinct failures it raises a group: report the first.
-            if isinstance(failure, ExceptionGroup):
-                failure = failure.exceptions[0]
-            script = reproducer(scenario, report + list(getattr(failure, "__notes__", [])),
-                                args.engine)
-            print(f"FAILED on {scenario}\n{type(failure).__name__}: {failure}\n")
-            print("Shrunk reproducer:\n" + script)
-            if args.reproducer:
-                with open(args.reproducer, "w") as handle:
-                    handle.write(script)
-                print(f"(written to {args.reproducer})")
-            if args.trace:
-                config = tally.last_config or scenario.model_config()
-                trace.write(args.trace, config, engine_label(args.engine, args.version),
-                            tally.last_trace)
-                print(f"(trace of the shrunk example written to {args.trace}: "
-                      f"`hiradix replay {args.trace}`)")
-            return 1
+            return report_failure(args, scenario, tally, failure, report, cut_short)
         covered.add(scenario)
+        if cut_short:
+            break
         done = (tally.examples / args.examples if args.examples is not None
                 else (time.monotonic() - started) / args.seconds)
         _progress(done, tally)
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    summary(tally, covered, len(scenarios), time.monotonic() - started)
-    missed = unreached(tally, covered)
+    summary(tally, covered, len(scenarios), time.monotonic() - started, args.engine)
+    missed = unreached(tally, covered, args.engine)
     if args.require_coverage and missed:
-        print(f"--require-coverage: never reached: {', '.join(missed)}")
+        print(f"--require-coverage: never reached: {', '.join(missed)}", flush=True)
         return 1
     if args.record:
         config = tally.last_config or scenarios[0].model_config()
         trace.write(args.record, config, engine_label(args.engine, args.version), tally.last_trace)
         print(f"(trace of the last example written to {args.record}: "
-              f"`hiradix replay {args.record}`)")
+              f"`hiradix replay {args.record}`)", flush=True)
     return 0
 
 
-def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) -> None:
+def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
+                   failure: Exception, report: list[str], cut_short: bool) -> int:
+    """Print a failure with its reproducer (shrunk, or as far as the time allowed);
+    write the reproducer and the trace where asked. Returns the exit status, 1."""
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    # Hypothesis attaches the shrunk steps to the exception as notes; with several
+    # distinct failures it raises a group: report the first.
+    if isinstance(failure, ExceptionGroup):
+        failure = failure.exceptions[0]
+    script = reproducer(scenario, report + list(getattr(failure, "__notes__", [])),
+                        args.engine)
+    print(f"FAILED on {scenario}\n{type(failure).__name__}: {failure}\n", flush=True)
+    if cut_short:
+        print(f"(--seconds {args.seconds:g} ran out while shrinking: the reproducer is as "
+              "small as shrinking got by then)", flush=True)
+    print(("Shrunk reproducer:\n" if not cut_short else "Reproducer:\n") + script,
+          flush=True)
+    if args.reproducer:
+        with open(args.reproducer, "w") as handle:
+            handle.write(script)
+        print(f"(written to {args.reproducer})", flush=True)
+    if args.trace:
+        config = tally.last_config or scenario.model_config()
+        trace.write(args.trace, config, engine_label(args.engine, args.version),
+                    tally.last_trace)
+        print(f"(trace of the shrunk example written to {args.trace}: "
+              f"`hiradix replay {args.trace}`)", flush=True)
+    return 1
+
+
+def machine_rules(engine: str, covered: set[Scenario]) -> tuple[str, ...]:
+    """The rules the summary lists (with their zeros) for ``engine``'s machines: ours
+    count every rule; the differential machines count none yet."""
+    if engine not in COPY_ENGINES:
+        return ()
+    storage = STORAGE_SWARM_RULES if any(s.storage for s in covered) else ()
+    return ("request", *SWARM_RULES, *storage)
+
+
+def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float,
+            engine: str = "controlled") -> None:
     print(f"hiradix check: {tally.examples} examples, {tally.checks} rule steps, "
           f"{tally.steps} operations in {seconds:.1f} s, 0 failures")
     axes = {
@@ -211,6 +288,14 @@ def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) ->
                 if ":" in k and not k.endswith(":untaken") and v}
     if injected:
         print("storage faults taken: " + ", ".join(f"{k}={v}" for k, v in injected.items()))
+    if tally.swarm:
+        print("swarm (examples per draw): " + ", ".join(
+            f"{k}={v}" for k, v in sorted(tally.swarm.items())))
+    rules = machine_rules(engine, covered)
+    if rules:
+        print("rules (executions of each):")
+        for name in sorted(rules):
+            print(f"  {name:<34} {tally.rules[name] or 'never run'}")
     idle = [spec_id for spec_id in EXERCISED if not tally.exercised[spec_id]]
     print(f"invariants: {len(EXERCISED) - len(idle)} of {len(EXERCISED)} exercised; every one "
           f"is checked after each of the {tally.checks} rule steps on the implementation and "
@@ -222,17 +307,20 @@ def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float) ->
     for name in COVERAGE:
         count = tally.states[name]
         print(f"  {name:<34} {count if count else 'not reached'}")
+    sys.stdout.flush()
 
 
-def unreached(tally: Tally, covered: set[Scenario]) -> list[str]:
-    """What the campaign never reached: invariants with nothing to check, and coverage
-    states (those of the storage tier only when a tier was in the matrix)."""
+def unreached(tally: Tally, covered: set[Scenario], engine: str = "controlled") -> list[str]:
+    """What the campaign never reached: invariants with nothing to check, coverage
+    states (those of the storage tier only when a tier was in the matrix) and rules
+    never run."""
     storage = any(s.storage for s in covered)
     idle = [spec_id for spec_id in EXERCISED if not tally.exercised[spec_id]
             and (storage or not spec_id.startswith(("INV-PREFETCH", "INV-STORAGE",
                                                     "INV-RELEASE")))]
     return idle + [name for name in COVERAGE if not tally.states[name]
-                   and (storage or name not in STORAGE_ONLY)]
+                   and (storage or name not in STORAGE_ONLY)] + [
+        f"rule {name}" for name in machine_rules(engine, covered) if not tally.rules[name]]
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

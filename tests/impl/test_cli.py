@@ -4,6 +4,7 @@ never a conformance FAILED with a reproducer (issue #6, "failing loudly")."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,37 @@ def test_a_seeded_campaign_replays_exactly(capsys: pytest.CaptureFixture[str]) -
     first = _campaign(["--seed", "3"], capsys)
     assert first == _campaign(["--seed", "3"], capsys)
     assert first != _campaign(["--seed", "4"], capsys)
+
+
+def test_seconds_bounds_the_run_shrinking_included(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """#15: a failure whose shrinking would outlast --seconds is reported, unshrunk as
+    far as the time allowed, at the deadline (a second or so after it)."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, rule
+
+    from hiradix.conformance.tally import Tally
+
+    def slow_machine(engine: str, scenario: object, tally: Tally) -> type:
+        class Slow(RuleBasedStateMachine):
+            def __init__(self) -> None:
+                super().__init__()
+                tally.begin_example()
+                self.total = 0
+
+            @rule(amount=st.integers(0, 100))
+            def add(self, amount: int) -> None:
+                time.sleep(0.02)  # each example ~1 s: shrinking takes minutes
+                self.total += amount
+                assert self.total < 700, self.total
+        return Slow
+
+    monkeypatch.setattr(cli, "machine_for", slow_machine)
+    started = time.monotonic()
+    assert cli.main(["check", "--seconds", "3", "--database", "none", "--batch", "50",
+                     "--steps", "60"]) == 1
+    elapsed = time.monotonic() - started
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "AssertionError" in out and "state.add(" in out, out
+    assert "ran out while shrinking" in out, out
+    assert elapsed < 3 + 3, f"the run took {elapsed:.1f} s for --seconds 3"

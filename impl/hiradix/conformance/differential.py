@@ -89,6 +89,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
     class Differential(Recording, RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
+            counts.begin_example()  # TimeUp once the budget is spent: before any engine
             self.engine = factory()
             self.model = initial(self.engine.config)
             self.adopted = frozenset(self.engine.adopted)
@@ -101,7 +102,6 @@ def make_differential(factory: Callable[[], EngineAdapter],
             # page that left the cache returns only through an insert, which prunes first.
             self.inserted: list[Key] = []
             self.trace: list[trace.Step] = []
-            counts.examples += 1
             counts.last_trace = self.trace
             counts.last_config = self.engine.config
             self.counts = counts

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from hiradix_model import Config, trace
+
+
+class TimeUp(KeyboardInterrupt):
+    """A new example began after the campaign's deadline (``Tally.deadline``). Hypothesis
+    stops at once on a ``KeyboardInterrupt`` (in generation or in shrinking) without
+    recording the example; any other exception it would take for a failure, or (another
+    ``BaseException``) for data generation that behaves differently between runs of the
+    same choices (FlakyStrategyDefinition)."""
 
 
 @dataclass
@@ -22,3 +31,11 @@ class Tally:
     faults: Counter[str] = field(default_factory=Counter)  # storage faults, by kind
     states: Counter[str] = field(default_factory=Counter)  # steps per coverage.COVERAGE
     swarm: Counter[str] = field(default_factory=Counter)  # examples per swarm draw
+    rules: Counter[str] = field(default_factory=Counter)  # executions per machine rule
+    deadline: float | None = None  # time.monotonic() after which no example begins
+
+    def begin_example(self) -> None:
+        """Count an example about to run; ``TimeUp`` if the time budget is spent."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise TimeUp
+        self.examples += 1

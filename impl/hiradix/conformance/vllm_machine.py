@@ -69,6 +69,7 @@ def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
     class VllmDifferential(Recording, RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
+            counts.begin_example()  # TimeUp once the budget is spent: before any engine
             self.engine: VllmDevice = build()
             self.model = initial(self.engine.config)
             self.adopted = frozenset(self.engine.adopted)
@@ -78,7 +79,6 @@ def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
             self.trace: list[trace.Step] = []
             self.counts = counts
             self.engine_label = self.engine.name
-            counts.examples += 1
             counts.last_trace = self.trace
             counts.last_config = self.engine.config
 
