@@ -28,6 +28,7 @@ MODULES = {
     "sglang-radix": "hiradix.conformance.adapters.sglang",
     "sglang": "hiradix.conformance.adapters.sglang",
     "sglang-unified": "hiradix.conformance.adapters.sglang_unified",
+    "sglang-storage": "hiradix.conformance.adapters.sglang_storage",
     "sglang-unified-rust": "hiradix.conformance.adapters.sglang_rust",
     "vllm": "hiradix.conformance.adapters.vllm",
     "vllm-offload": "hiradix.conformance.adapters.vllm",
