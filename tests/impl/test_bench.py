@@ -14,6 +14,7 @@ def test_options_fill_what_an_older_parser_lacks() -> None:
     args = bench.options(argparse.Namespace(page_sizes=[16], scale=1.0, seed=3))
     assert (args.page_sizes, args.scale, args.seed) == ([16], 1.0, 3)
     assert args.large is False and args.large_tokens == 1 << 20 and args.large_only is False
+    assert args.torch_threads is None
 
 
 def test_without_sglang_the_bench_says_what_to_install(

@@ -476,6 +476,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached tokens the large workload reaches (default 1 Mi)")
     parser.add_argument("--large-only", action="store_true",
                         help="only the scaling tables (implies --large)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch's intra-op threads for every engine (default: torch's "
+                             "own); on a loaded machine a parallel indexing op can wait "
+                             "milliseconds for its second thread, 1 avoids that")
 
 
 def options(args: argparse.Namespace) -> argparse.Namespace:
@@ -495,6 +499,8 @@ def main(args: argparse.Namespace) -> int:
               "`.venv-sglang/bin/hiradix bench` or `.venv-sglang23/bin/hiradix bench`",
               file=sys.stderr)
         return 2
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     started = time.perf_counter()
     if not args.large_only:
         rows: list[list[str]] = []
@@ -502,6 +508,7 @@ def main(args: argparse.Namespace) -> int:
             run(page_size, args.scale, args.seed, rows)
         print("\n".join(table(rows)))
         print(f"(seed {args.seed}, scale {args.scale}, page sizes {args.page_sizes}, "
+              f"{torch.get_num_threads()} torch threads, "
               f"{time.perf_counter() - started:.0f} s; µs per call, calls in brackets; "
               "speed-up = their time / ours, above 1 means ours is faster; compare medians, "
               "means move with scheduler stalls; every engine in the same layout: "
