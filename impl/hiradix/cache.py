@@ -533,17 +533,26 @@ class HiRadixCache:
 
         With a backend attached by ``attach_storage_backend`` this is also where the
         acknowledged pages the backend lacks are written to storage (spec/09, S-R1), as
-        SGLang's ``writing_check`` does: the one call an engine makes. The tier's own
-        ``writing_check`` calls back into this one, which then only acknowledges.
+        SGLang's ``writing_check`` does: the one call an engine makes. It runs the tier's
+        ``writing_check``, whose call back into this one then only acknowledges. (Calling
+        ``storage.writing_check()`` directly on such a cache writes each page twice until
+        the tier acknowledges through ``acknowledge_writes``.) Not thread-safe: one
+        scheduler thread calls the cache.
         """
         tier = self._storage
         if tier is None or not tier.attached or self._in_tier_writing_check:
-            return self._acknowledge("d2h")
+            return self.acknowledge_writes()
         self._in_tier_writing_check = True
         try:
             return tier.writing_check()
         finally:
             self._in_tier_writing_check = False
+
+    def acknowledge_writes(self) -> int:
+        """``writing_check`` without the storage backups: acknowledge the device-to-host
+        copies that finished (FIFO); return how many. For the storage tier, which backs
+        the acknowledged pages up itself."""
+        return self._acknowledge("d2h")
 
     def loading_check(self) -> int:
         """Acknowledge the host-to-device copies that finished (FIFO); return how many."""

@@ -253,3 +253,13 @@ def cache_bytes_per_token() -> int:
 
     shape = KVShape()  # defaults: 2 layers x K,V x 1 head x 8 dims x fp16
     return shape.layers * 2 * shape.heads * shape.head_dim * 2
+
+
+@pytest.mark.xfail(strict=True, reason="StorageTier.writing_check acknowledges through "
+                   "cache.writing_check, which backs up too on a wired cache; it should call "
+                   "cache.acknowledge_writes (storage/tier.py)")
+def test_the_tiers_own_writing_check_writes_each_page_once_on_a_wired_cache() -> None:
+    cache, _ = storage_cache()
+    cache.insert(RadixKey((1, 2, 3, 4)), cache.alloc(4))
+    assert cache.storage.writing_check() == 1
+    assert cache.storage.metrics.write_pages_issued == 2
