@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hiradix.conformance import infer
 from hiradix.conformance.adapters.base import EngineAdapter
+from hiradix.conformance.coverage import tally_states
 from hiradix.conformance.infer import left_device, left_host
 from hiradix.conformance.machine import EXERCISED, describe_difference
 from hiradix.conformance.recording import Recording
@@ -81,12 +83,60 @@ def uncounted_ancestor(draft: Draft, key: Key, counted: int, due: tuple[Key, ...
     return last.host is None and first.host is None and first.hits > last.hits
 
 
+class EngineSteps(Recording):
+    """What the differential machines share (this one and ``vllm_machine``'s): reading
+    the engine's state with the adapter's adoptions, the engine's clock, and the check
+    after every step. The machine sets ``engine``, ``adopted``, ``why`` and ``now``
+    beside what ``Recording`` needs."""
+
+    engine: Any
+    adopted: frozenset[str]
+    why: str
+    now: int
+
+    def observe(self, adopt: bool = True) -> State:
+        """The engine's state. Between operations (``adopt``) the model first takes the
+        adapter's adopted fields from it, so that choices are judged on the engine's own
+        ranks; never between an engine call and its model step, whose state the model has
+        not reached yet."""
+        seen: State = self.engine.observe(self.model)
+        changes = engine_values(self.model, seen, self.adopted) if adopt else {}
+        if changes:
+            self.model = trace.adopt(self.model, changes)
+            self.trace.append(trace.adopt_step(changes, self.why))
+        return seen
+
+    def tick(self, dt: int) -> int:
+        self.now += dt
+        self.engine.set_time(self.now)
+        return self.now
+
+    def compare(self, seen: State) -> None:
+        """After a step: the model's invariants, the engine's state equal to the model's,
+        and the invariants on the engine's state."""
+        found = violations(self.model)
+        assert not found, f"the model broke its own invariants: {found}"
+        if seen != self.model:
+            raise AssertionError(f"{self.engine.name} and the model disagree:\n"
+                                 + describe_difference(seen, self.model))
+        broken = violations(seen)
+        assert not broken, f"{self.engine.name} breaks {broken}"
+
+    def tally_step(self) -> None:
+        """Count a checked step: per invariant with work, per coverage state."""
+        self.counts.checks += 1
+        tally_states(self.counts.states, self.model)
+        for spec_id, busy in EXERCISED.items():
+            if busy(self.model):
+                self.counts.exercised[spec_id] += 1
+
+
 def make_differential(factory: Callable[[], EngineAdapter],
                       tally: Tally | None = None) -> type[RuleBasedStateMachine]:
     """A state machine class driving the engines ``factory`` builds, one per example."""
     counts = tally if tally is not None else Tally()
 
-    class Differential(Recording, RuleBasedStateMachine):
+    class Differential(EngineSteps, RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             counts.begin_example()  # TimeUp once the budget is spent: before any engine
@@ -114,23 +164,6 @@ def make_differential(factory: Callable[[], EngineAdapter],
 
         def has(self, operation: str) -> bool:
             return operation in self.engine.operations
-
-        def observe(self, adopt: bool = True) -> State:
-            """The engine's state. Between operations (``adopt``) the model first takes
-            the adapter's adopted fields from it, so that choices are judged on the
-            engine's own ranks; never between an engine call and its model step, whose
-            state the model has not reached yet."""
-            seen = self.engine.observe(self.model)
-            changes = engine_values(self.model, seen, self.adopted) if adopt else {}
-            if changes:
-                self.model = trace.adopt(self.model, changes)
-                self.trace.append(trace.adopt_step(changes, self.why))
-            return seen
-
-        def tick(self, dt: int) -> int:
-            self.now += dt
-            self.engine.set_time(self.now)
-            return self.now
 
         def evict_both(self, num_tokens: int) -> None:
             before = self.observe()
@@ -342,17 +375,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
 
         @invariant()
         def engine_refines_the_model(self) -> None:
-            seen = self.observe()
-            found = violations(self.model)
-            assert not found, f"the model broke its own invariants: {found}"
-            if seen != self.model:
-                raise AssertionError(f"{self.engine.name} and the model disagree:\n"
-                                     + describe_difference(seen, self.model))
-            broken = violations(seen)
-            assert not broken, f"{self.engine.name} breaks {broken}"
-            counts.checks += 1
-            for spec_id, busy in EXERCISED.items():
-                if busy(self.model):
-                    counts.exercised[spec_id] += 1
+            self.compare(self.observe())
+            self.tally_step()
 
     return Differential

@@ -23,14 +23,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hiradix.conformance import infer
 from hiradix.conformance.adapters.vllm import VllmDevice, ceil_pages, factory, page_aligned
 from hiradix.conformance.adapters.vllm_offload import VllmOffload
-from hiradix.conformance.coverage import tally_states
-from hiradix.conformance.differential import engine_values
+from hiradix.conformance.differential import EngineSteps
 from hiradix.conformance.infer import left_device
-from hiradix.conformance.machine import EXERCISED, describe_difference
-from hiradix.conformance.recording import Recording
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.tally import Tally
-from hiradix_model import Key, State, initial, ops, trace, violations
+from hiradix_model import Key, State, initial, ops, trace
 from hiradix_model.ops._draft import Draft
 from hiradix_model.ops.backup import backup_run
 from hiradix_model.ops.insert import insert_pages
@@ -66,7 +63,7 @@ def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
         lambda: VllmOffload(scenario, host_policy))
     counts = tally if tally is not None else Tally()
 
-    class VllmDifferential(Recording, RuleBasedStateMachine):
+    class VllmDifferential(EngineSteps, RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             counts.begin_example()  # TimeUp once the budget is spent: before any engine
@@ -84,21 +81,6 @@ def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
 
         def teardown(self) -> None:
             self.engine.close()
-
-        def observe(self, adopt: bool = True) -> State:
-            """The engine's state; between operations the model first takes the adopted
-            fields (DEV-V2, DEV-V3), never between an engine call and its model steps."""
-            seen = self.engine.observe(self.model)
-            changes = engine_values(self.model, seen, self.adopted) if adopt else {}
-            if changes:
-                self.model = trace.adopt(self.model, changes)
-                self.trace.append(trace.adopt_step(changes, self.why))
-            return seen
-
-        def tick(self, dt: int) -> int:
-            self.now += dt
-            self.engine.set_time(self.now)
-            return self.now
 
         # -- a request's life (spec/03 3.17 as vLLM's scheduler runs it) --------------
 
@@ -240,19 +222,9 @@ def make_machine(engine: str, scenario: Scenario, tally: Tally | None = None,
         @invariant()
         def engine_refines_the_model(self) -> None:
             seen = self.observe()
-            found = violations(self.model)
-            assert not found, f"the model broke its own invariants: {found}"
-            if seen != self.model:
-                raise AssertionError("vllm and the model disagree:\n"
-                                     + describe_difference(seen, self.model))
-            broken = violations(seen)
-            assert not broken, f"vllm breaks {broken}"
+            self.compare(seen)
             counter = self.engine.counter_problems(seen)
             assert not counter, f"vllm breaks INV-ACCOUNTING: {counter}"
-            counts.checks += 1
-            tally_states(counts.states, self.model)
-            for spec_id, busy in EXERCISED.items():
-                if busy(self.model):
-                    counts.exercised[spec_id] += 1
+            self.tally_step()
 
     return VllmDifferential
