@@ -925,7 +925,11 @@ class HiRadixCache:
         return {s for n in self.nodes() if n.device is not None for s in n.device.tolist()}
 
     def check_invariants(self) -> None:
-        """Check every invariant of spec/05 on the concrete tree; raise InvariantViolation."""
+        """Check every invariant of spec/05 on the concrete tree; raise InvariantViolation.
+
+        With a storage tier made by ``attach_storage_backend``, host slots it holds
+        (reserved by a prefetch, or queued for release) count as its own, not leaked
+        (spec/09, 9.2); ``storage.check()`` audits the tier's own bookkeeping."""
         from hiradix.checker import check
 
         check(self)

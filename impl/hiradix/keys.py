@@ -51,10 +51,14 @@ def _checked_tokens(tokens: object) -> tuple[int, ...]:
                                         f"of token ids, got {type(tokens).__name__}")
     checked = []
     for index, token in enumerate(tokens):  # the slow path: subclasses, numpy ints, errors
-        if isinstance(token, bool) or not hasattr(token, "__index__"):
+        try:
+            if isinstance(token, bool):
+                raise TypeError("a bool is no token id")
+            value = operator.index(token)  # ints, numpy and 0-d torch integers
+        except TypeError as error:  # also a float tensor's own __index__ refusal
             raise InvalidArgument(f"tokens[{index}]", f"must be an int token id, got "
-                                                      f"{token!r} ({type(token).__name__})")
-        value = operator.index(token)
+                                                      f"{token!r} ({type(token).__name__})"
+                                  ) from error
         if not INT64_MIN <= value <= INT64_MAX:
             raise InvalidArgument(f"tokens[{index}]", f"{value} is outside the int64 range")
         checked.append(value)

@@ -150,6 +150,8 @@ KEY_ROWS: list[tuple[object, object, str]] = [
     (torch.tensor([True]), None, "tokens"),
     (torch.zeros(2, 2, dtype=torch.int64), None, "tokens"),
     (torch.zeros(2, dtype=torch.int64, device="meta"), None, "tokens"),
+    ([torch.tensor(1.5)], None, "tokens[0]"),
+    ((1, torch.tensor([2, 3])), None, "tokens[1]"),
     ((1, 2), 3, "namespace"),
     ((1, 2), b"ns", "namespace"),
     ((1, 2), ("ns",), "namespace"),
@@ -167,7 +169,7 @@ def test_radix_key_rejects_what_is_not_token_ids(tokens: object, namespace: obje
 
 @pytest.mark.parametrize("tokens", [
     (5, 6, 7, 8), [5, 6, 7, 8], range(5, 9), torch.tensor([5, 6, 7, 8]),
-    torch.tensor([5, 6, 7, 8], dtype=torch.int32), [torch.tensor(5).item(), 6, 7, 8],
+    torch.tensor([5, 6, 7, 8], dtype=torch.int32), [torch.tensor(5), 6, 7, 8],
 ])
 def test_radix_key_accepts_token_sequences_as_one_tuple_of_ints(tokens: object) -> None:
     """A list or tensor key used to crash (unhashable) or break check_invariants."""
