@@ -162,3 +162,24 @@ def test_a_page_repeated_within_one_free_or_release() -> None:
     assert allocator.num_free_slots == 4
     allocator.release(slots)
     assert allocator.num_free_slots == 8
+
+
+# -- issue 17: tensors handed across the API are the other side's to reuse ---------------
+
+@pytest.mark.xfail(strict=True, reason="issue 17: init_load_back returns the tensor its copy "
+                                       "in flight and the loaded node hold (cache.py)")
+def test_the_caller_may_reuse_what_init_load_back_returned() -> None:
+    # The machine's scribble rule found it: the caller writes into the returned slots
+    # (its next batch's buffer) and the h2d copy in flight moved with them.
+    state = make_machine(Scenario(page_size=1, write_policy="write_through"))()
+    state.request(chunked=False, dt=1, keep_lock=False, namespace=None, priority=0,
+                  quota=None, tokens=(1, 2))
+    state.finish_copies(direction="d2h", count=1)
+    state.writing_check()
+    state.evict(num_tokens=2)
+    state.refines_the_model()
+    node = next(n for n in state.cache.nodes() if n.device is None)
+    loaded, _ = state.cache.init_load_back(node)
+    assert loaded.numel() == 2
+    loaded.add_(1)  # the caller's buffer, reused
+    state.cache.check_invariants()
