@@ -56,11 +56,13 @@ def serve(cache: HiRadixCache, tokens: list[int]) -> int:
         cache.evict(need)
         fresh = cache.alloc(need)
     assert fresh is not None, "the device pool is too small for this request"
-    cache.loading_check()  # the load back must land before the forward pass reads it
+    while cache.pending["h2d"]:  # the load back lands before the forward pass reads it
+        cache.loading_check()  # (an engine overlaps it: engine.wait_layer per layer)
     forward(cache, fresh, tokens[len(cached):])
     slots = torch.cat([cached, fresh])
-    cache.insert(key, slots[:len(tokens)])  # the partial tail page is not cached
-    cache.free(slots[len(tokens) // PAGE * PAGE:])  # caller-held whole tail page, if any
+    already = cache.insert(key, slots[:len(tokens)])  # the partial tail page is not cached
+    # The caller's own slots for pages that were cached meanwhile, and the tail page.
+    cache.free(torch.cat([slots[len(cached):already], slots[len(tokens) // PAGE * PAGE:]]))
     cache.dec_lock_ref(node)
     cache.writing_check()  # host copies done; with storage attached, backs them up
     cache.check_invariants()  # cheap enough for tests; drop it in production
