@@ -50,6 +50,9 @@ class StorageSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(name, f"must be an int >= 0, got {value!r}")
+        if self.timeout_max < self.timeout_base:
+            raise ConfigError("timeout_max", f"must be >= timeout_base ({self.timeout_base}), "
+                                             f"got {self.timeout_max}")
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ConfigError("prefetch_policy", f"must be one of {PREFETCH_POLICIES}, "
                                                  f"got {self.prefetch_policy!r}")

@@ -114,11 +114,28 @@ def test_attach_sets_the_backend_its_identity_and_settings() -> None:
 def test_attaching_the_same_backend_again_updates_only_the_policy() -> None:
     s = attached()
     other = StorageSettings(prefetch_threshold=64, prefetch_policy="timeout")
-    s2, outcome = ok(s, ops.attach_storage, "memory", identity=("other",), settings=other)
+    s2, outcome = ok(s, ops.attach_storage, "memory", identity=IDENTITY, settings=other)
     assert outcome == "policies updated"
     assert s2.storage is not None
     assert s2.storage.settings == replace(SETTINGS, prefetch_policy="timeout")
     assert s2.storage.identity == IDENTITY
+
+
+def test_another_identity_is_refused_until_the_attached_one_is_detached() -> None:
+    s = attached()
+    rejected(PreconditionError, s, ops.attach_storage, "memory", identity=("other",),
+             argument="identity")
+    s, _ = ok(s, ops.detach_storage)
+    s, outcome = ok(s, ops.attach_storage, "memory", identity=("other",))
+    assert outcome == "attached"
+    assert s.storage is not None and s.storage.identity == ("other",)
+
+
+def test_settings_refuse_a_cap_below_the_base_timeout() -> None:
+    with pytest.raises(ConfigError) as caught:
+        StorageSettings(timeout_base=10, timeout_max=9)
+    assert caught.value.field == "timeout_max"
+    assert StorageSettings(timeout_base=10, timeout_max=10).timeout_max == 10
 
 
 def test_a_different_backend_is_refused_until_the_attached_one_is_detached() -> None:

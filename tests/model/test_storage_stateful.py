@@ -340,6 +340,10 @@ class StorageMachine(Stepping, RuleBasedStateMachine):
         if current is not None and current != backend:
             self.rejects(PreconditionError, ops.attach_storage, backend, settings=settings)
             return
+        if current is not None and self.state.storage.identity != identity:
+            self.rejects(PreconditionError, ops.attach_storage, backend, identity=identity,
+                         settings=settings)
+            return
         outcome = self.apply("attach_storage", ops.attach_storage, backend, identity=identity,
                              settings=settings, retained=retained)
         assert outcome == ("attached" if current is None else "policies updated")

@@ -32,8 +32,8 @@ def attach_storage(
     """Attach a storage backend, or update the prefetch policy of the attached one.
 
     Validation comes first and changes nothing. With ``backend`` already attached only
-    ``settings.prefetch_policy`` is applied; a different backend is refused until the
-    attached one is detached. ``retained`` reports whether the backend still holds what
+    ``settings.prefetch_policy`` is applied; a different backend or identity is refused
+    until the attached one is detached. ``retained`` reports whether the backend still holds what
     this cache wrote to it before (a file backend does; a fresh memory backend does not).
 
     pre: not check(state)
@@ -51,6 +51,9 @@ def attach_storage(
     if current.backend is not None:
         require(current.backend == backend, "backend",
                 f"{current.backend!r} is attached; detach it before attaching {backend!r}")
+        # Another model's pages hash apart from the ones in flight (9.1, page identity).
+        require(identity == current.identity, "identity",
+                f"{current.identity!r} is attached; detach before attaching {identity!r}")
         policy = replace(current.settings, prefetch_policy=settings.prefetch_policy)
         return replace(state, storage=replace(current, settings=policy)), "policies updated"
     stores = dict(current.stores)
