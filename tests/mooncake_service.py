@@ -8,10 +8,12 @@ then it fails, as ``engine_env.require`` does for an engine an environment was b
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -37,6 +39,12 @@ def require_mooncake() -> Path:
             pytest.fail(f"{unavailable} [HIRADIX_REQUIRE_ENGINES={','.join(sorted(required))}]",
                         pytrace=False)
         pytest.skip(str(unavailable))
+
+
+def _die_with_parent() -> None:
+    """In the master's process before exec: the kernel kills it when the test process
+    ends, however that ends (PR_SET_PDEATHSIG), so no master outlives a killed run."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -89,7 +97,8 @@ class MooncakeService:
                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                  f"--http_metadata_server_port={self.http_port}",
                  "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         STARTED.append(self.process.pid)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not all(_listening(port) for port in (self.rpc_port, self.http_port,

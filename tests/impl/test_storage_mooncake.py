@@ -13,11 +13,12 @@ import sys
 import textwrap
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import test_storage_tier
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -168,6 +169,31 @@ def test_a_backup_by_one_client_is_prefetched_by_another(service: MooncakeServic
         tally(writer)
         tally(reader)
         writer.clear()
+
+
+@pytest.mark.parametrize("file_test", [
+    test_storage_tier.test_restart_over_a_file_backend_finds_the_pages_and_the_bytes_match,
+    test_storage_tier.test_another_model_identity_finds_nothing,
+    test_storage_tier.test_threaded_io_backs_up_and_prefetches,
+], ids=lambda test: test.__name__)
+def test_the_tiers_file_backend_tests_pass_over_mooncake(
+        file_test: Callable[[Path], None], client: MooncakeClient, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The storage tier's tests written for the file backend (restart round trip, model
+    identity, threaded I/O), with every backend they make over one Mooncake client: the
+    second "process" finds the first one's pages in the store."""
+    made: list[MooncakeBackend] = []
+
+    def over_mooncake(root: Path) -> MooncakeBackend:
+        made.append(MooncakeBackend(client))
+        return made[-1]
+
+    monkeypatch.setattr(test_storage_tier, "FileBackend", over_mooncake)
+    file_test(tmp_path)
+    assert made
+    for backend in made:
+        tally(backend)
+    made[0].clear()
 
 
 def test_the_storage_machine_runs_over_mooncake(client: MooncakeClient,
@@ -415,19 +441,22 @@ def test_a_put_that_fails_half_way_stores_a_prefix_and_leaks_nothing(
         tally(backend)
 
 
+@pytest.mark.parametrize("payload_bytes", [7, 10_000])
 def test_a_damaged_object_is_a_corrupt_miss_and_is_stored_again(
-        backend: MooncakeBackend) -> None:
-    """An object under a page's key that is not that page (wrong size) is corrupt,
-    discarded, and the next backup stores the page again."""
+        backend: MooncakeBackend, payload_bytes: int) -> None:
+    """An object under a page's key that is not that page (shorter, or longer than the
+    batch read's slot) is corrupt, discarded, and the next backup stores the page
+    again."""
     pool, names = stored(backend)
     backend.discard_page(names[1])
-    backend.write_page(names[1], b"\x00" * 7, b"\x00" * 32)
+    backend.write_page(names[1], b"\x01" * payload_bytes, b"\x00" * 32)
     reader = host_pool()
     fetched = backend.fetch(names, reader, target_slots())
     assert fetched.pages_done == 1 and fetched.corrupt
     assert backend.exists(names) == 1  # discarded
     assert backend.set(names, pool, source_slots()) == PAGES
     assert backend.get(names, reader, target_slots()) == PAGES
+    assert torch.equal(reader.read(target_slots()), pool.read(source_slots()))
     FIGURES["fault corrupt object"] += 1
 
 
