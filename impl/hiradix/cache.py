@@ -816,7 +816,9 @@ class HiRadixCache:
         self._issued += 1
         self.pending["h2d"].append(PendingCopy(ticket, self._issued, node, tokens, source, device))
         self._record_load(victims, device)
-        return device
+        # The caller's own tensor: the copy in flight keeps ``device``, so a caller that
+        # reuses the returned buffer cannot move the copy's slots (issue 17).
+        return device.clone()
 
     def _record_load(self, victims: list[DeviceVictim], device: torch.Tensor | None) -> None:
         if self.recorder is not None:
