@@ -4,11 +4,13 @@ SGLang's production storage tier is the Mooncake store: a ``mooncake_master`` ke
 metadata (which key lives where), and every client lends part of its memory (its global
 segment) to hold objects; a client reads and writes objects over a transfer engine
 (``tcp`` on a CPU machine). This backend is one such client. It needs the
-``mooncake-transfer-engine-non-cuda`` wheel (``INSTALL``); without it, making one raises
-``MooncakeUnavailable``, a typed usage error that names the package and the command.
+``mooncake-transfer-engine-non-cuda`` wheel (``INSTALL``); without it, making a
+``MooncakeClient`` raises ``MooncakeUnavailable``, a typed usage error (a
+``StorageConfigError`` on field ``backend``) that names the package and the command.
 
-A page is one object under ``<prefix>/<page hash>``. Its bytes are a header and the
-page's bytes::
+A page is one object under ``<prefix>/<page hash>``. A put under a present key reports
+success and keeps the present object, so a present page is never replaced. Its bytes
+are a header and the page's bytes::
 
     magic (8) | version (u32) | payload length (u64) | checksum (32) | payload
 
@@ -33,7 +35,7 @@ staging buffer and the verified page is copied into its slots.
 Faults: any error code other than "object not found" is a ``StorageError`` of the page it
 hit, with the leading count done before it. A master that is gone answers every call with
 an error (never a hit); a restarted master knows no object, so every page is a miss until
-it is written again (DEV-free: this is Mooncake's documented behaviour).
+it is written again: the master keeps its metadata in memory only (spec/09m, 9m.5).
 """
 
 from __future__ import annotations
