@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: setup check test pytest crosshair lint sglang-env sglang23-env vllm-env check-sglang bench \
-	wheel-check
+	wheel-check mooncake-env
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -128,3 +128,12 @@ wheel-check: setup
 	    "import hiradix, hiradix_model; assert 'site-packages' in hiradix.__file__; print('installed: hiradix', hiradix.__version__, 'at', hiradix.__file__)" \
 	    && $(CURDIR)/$(WHEEL_VENV)/bin/hiradix check --seconds 10 --seed 0 >check.log; \
 	    rc=$$?; grep -E '^hiradix check: ' check.log; exit $$rc
+
+# Mooncake's store client and mooncake_master, for tests/impl/test_storage_mooncake.py (the
+# tests start a master on loopback and end it by pid; without the wheel they skip with the
+# install line). --no-deps: mooncake.store imports without aiohttp/requests/msgpack. Its
+# libraries link libibverbs.so.1 (Debian: apt-get install -y libibverbs1).
+MOONCAKE_PIN ?= mooncake-transfer-engine-non-cuda==0.3.13.post1
+mooncake-env: setup
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { echo "mooncake-env needs libibverbs.so.1: apt-get install -y libibverbs1"; exit 1; }
+	$(BIN)/pip install -q --no-deps $(MOONCAKE_PIN)

@@ -2,7 +2,8 @@
 
 - ``hashing``: the chained page hash that names a page in storage;
 - ``backend``: the batch interface (``exists``/``get``/``set``), integrity checks, metrics;
-- ``memory``, ``file``: the two backends; ``controlled``: a fault-injecting wrapper;
+- ``memory``, ``file``, ``mooncake``: the backends (Mooncake's distributed store, spec/09m);
+  ``controlled``: a fault-injecting wrapper;
 - ``io``: the prefetch and backup threads (or their synchronous stand-in);
 - ``config``: the configuration, from JSON, TOML or YAML.
 """
@@ -28,6 +29,7 @@ from hiradix.storage.file import FileBackend
 from hiradix.storage.hashing import PageIdentity, check_hashes, page_hashes
 from hiradix.storage.io import BackupResult, PrefetchResult, StorageIO
 from hiradix.storage.memory import MemoryBackend
+from hiradix.storage.mooncake import MooncakeBackend, MooncakeClient, MooncakeUnavailable
 
 __all__ = [
     "FAULT_KINDS",
@@ -39,6 +41,9 @@ __all__ = [
     "FileBackend",
     "InjectedInterrupt",
     "MemoryBackend",
+    "MooncakeBackend",
+    "MooncakeClient",
+    "MooncakeUnavailable",
     "PageIdentity",
     "PageRead",
     "PrefetchResult",
