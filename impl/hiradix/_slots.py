@@ -50,6 +50,8 @@ def check_slot_tensor(slots: object, argument: str, num_slots: int, *,
     """
     if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
         raise SlotError(argument, f"must be a 1-D torch.int64 tensor, got {describe(slots)}")
+    if slots.device.type == "meta":  # no values to check, and .cpu() would raise
+        raise SlotError(argument, "is on the meta device: slot ids need values")
     cpu = slots.cpu()
     if cpu.numel() == 0:
         return cpu
@@ -138,6 +140,8 @@ class PageAllocator:
         """Validate a ``free`` argument; return its page ids (int64, CPU)."""
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise SlotError("slots", f"must be a 1-D torch.int64 tensor, got {describe(slots)}")
+        if slots.device.type == "meta":
+            raise SlotError("slots", "is on the meta device: slot ids need values")
         size = self._page_size
         if slots.numel() % size:
             raise SlotError("slots", f"length {slots.numel()} is not a multiple of page_size "

@@ -255,9 +255,6 @@ def cache_bytes_per_token() -> int:
     return shape.layers * 2 * shape.heads * shape.head_dim * 2
 
 
-@pytest.mark.xfail(strict=True, reason="StorageTier.writing_check acknowledges through "
-                   "cache.writing_check, which backs up too on a wired cache; it should call "
-                   "cache.acknowledge_writes (storage/tier.py)")
 def test_the_tiers_own_writing_check_writes_each_page_once_on_a_wired_cache() -> None:
     cache, _ = storage_cache()
     cache.insert(RadixKey((1, 2, 3, 4)), cache.alloc(4))

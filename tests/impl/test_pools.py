@@ -548,3 +548,20 @@ def test_copies_reject_misuse_and_change_nothing() -> None:
     assert torch.equal(host.kv, host_before) and torch.equal(device.kv, device_before)
     host.copy_from_device(device, slots(0, 0), slots(4, 5))  # reading one slot twice is fine
     assert torch.equal(host.read(slots(4, 5)), pattern(device, slots(0, 0)))
+
+
+def test_meta_slots_are_typed_errors_on_every_pool_path() -> None:
+    # A meta tensor has no values: checking it with .cpu() raised NotImplementedError.
+    meta = torch.zeros(4, dtype=torch.int64, device="meta")
+    dev = device_pool(page_size=4)
+    host = HostKVPool(dev, num_slots=32)
+    taken = dev.alloc(4)
+    assert taken is not None
+    free_before = (dev.num_free_slots, host.num_free_slots)
+    calls = [lambda: dev.free(meta), lambda: dev.read(meta), lambda: host.read(meta),
+             lambda: host.free(meta)]
+    for call in calls:
+        with pytest.raises(SlotError) as caught:
+            call()
+        assert caught.value.argument == "slots" and "meta" in str(caught.value)
+    assert (dev.num_free_slots, host.num_free_slots) == free_before

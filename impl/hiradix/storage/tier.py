@@ -698,9 +698,12 @@ class StorageTier:
 
     @_serialised
     def writing_check(self) -> int:
-        """The cache's ``writing_check``, then S-R1 for each acknowledged copy's pages."""
+        """The cache's acknowledgements, then S-R1 for each acknowledged copy's pages.
+
+        ``acknowledge_writes``, not the cache's ``writing_check``: on a cache wired by
+        ``attach_storage_backend`` that one backs the same pages up again."""
         copies = list(self.cache.pending["d2h"])
-        count = self.cache.writing_check()
+        count = self.cache.acknowledge_writes()
         if self._attached is None:
             return count
         for copy in copies[:count]:
