@@ -15,7 +15,7 @@ import itertools
 import random
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from unittest import SkipTest
 
 from hypothesis import HealthCheck, Phase, seed, settings
@@ -185,23 +185,19 @@ def run(args: argparse.Namespace) -> int:
         try:
             try:
                 with with_reporter(report.append):
-                    test = get_state_machine_test(machine, settings=scoped)
-                    if args.seed is not None:
-                        # Each batch its own seed, so that a seeded campaign replays
-                        # exactly (as far as its time budget reaches).
-                        test = seed(args.seed * 1_000_003 + index)(test)
-                    test()
+                    batch_test(machine, scoped, args.seed, index)()
             except TimeUp:
-                # The budget ran out in this batch: while generating (nothing to report)
-                # or while shrinking a failure: its smallest form so far is in the
-                # database, and one replay reports it.
+                # The budget ran out in this batch: while generating, or while shrinking
+                # a failure. Once more without shrinking: a failure saved in the
+                # database (unseeded: as far as shrinking got) replays first; a seeded
+                # batch, which saves nothing, generates the same examples again.
                 tally.deadline = None
                 cut_short = True
                 report = []
                 with with_reporter(report.append):
-                    get_state_machine_test(machine, settings=settings(
-                        scoped, phases=[Phase.reuse]))()
-        except SkipTest:  # the replay found nothing failing: the time was simply up
+                    batch_test(machine, settings(scoped, phases=[
+                        Phase.explicit, Phase.reuse, Phase.generate]), args.seed, index)()
+        except SkipTest:  # nothing left to run: the time was simply up
             break
         except Exception as failure:  # the reporting boundary: every
             # failure of the machine (a disagreement, an invariant, an illegal choice, a
@@ -228,6 +224,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def batch_test(machine: type[RuleBasedStateMachine], batch: settings, seeded: int | None,
+               index: int) -> Callable[[], None]:
+    """The Hypothesis test of one batch: under ``--seed`` each batch its own seed, so that
+    a seeded campaign replays exactly (as far as its time budget reaches)."""
+    test = get_state_machine_test(machine, settings=batch)
+    if seeded is not None:
+        test = seed(seeded * 1_000_003 + index)(test)
+    return test  # type: ignore[no-any-return]
+
+
 def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
                    failure: Exception, report: list[str], cut_short: bool) -> int:
     """Print a failure with its reproducer (shrunk, or as far as the time allowed);
@@ -242,8 +248,8 @@ def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
                         args.engine)
     print(f"FAILED on {scenario}\n{type(failure).__name__}: {failure}\n", flush=True)
     if cut_short:
-        print(f"(--seconds {args.seconds:g} ran out while shrinking: the reproducer is as "
-              "small as shrinking got by then)", flush=True)
+        print(f"(--seconds {args.seconds:g} ran out in this batch: the reproducer is shrunk "
+              "only as far as the time allowed)", flush=True)
     print(("Shrunk reproducer:\n" if not cut_short else "Reproducer:\n") + script,
           flush=True)
     if args.reproducer:

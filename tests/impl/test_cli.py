@@ -148,8 +148,8 @@ def test_a_seeded_campaign_replays_exactly(capsys: pytest.CaptureFixture[str]) -
 
 def test_seconds_bounds_the_run_shrinking_included(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """#15: a failure whose shrinking would outlast --seconds is reported, unshrunk as
-    far as the time allowed, at the deadline (a second or so after it)."""
+    """#15: a failure whose shrinking would outlast --seconds is reported, shrunk only as
+    far as the time allowed, soon after the deadline."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, rule
 
@@ -176,5 +176,7 @@ def test_seconds_bounds_the_run_shrinking_included(
     elapsed = time.monotonic() - started
     out = capsys.readouterr().out
     assert "FAILED" in out and "AssertionError" in out and "state.add(" in out, out
-    assert "ran out while shrinking" in out, out
-    assert elapsed < 3 + 3, f"the run took {elapsed:.1f} s for --seconds 3"
+    assert "ran out in this batch" in out, out
+    # The deadline, then one replay of the failure without shrinking (a few examples of
+    # about a second here); unbounded, shrinking this machine takes minutes.
+    assert elapsed < 3 + 10, f"the run took {elapsed:.1f} s for --seconds 3"

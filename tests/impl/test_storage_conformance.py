@@ -44,9 +44,15 @@ def test_the_runs_exercised_storage_and_faults() -> None:
                  "io_prefetch_query", "drain_storage_queues"):
         assert TALLY.ops[name] > 0, (name, dict(TALLY.ops))
     assert sum(FAULTS.values()) > 0
+    # Issue 15: the rare states the swarm, the small hosts and the short timeouts reach.
+    for state in ("host full", "host pages all protected", "prefetch in flight",
+                  "storage write in flight", "branching host-only subtree"):
+        assert TALLY.states[state] > 0, (state, dict(TALLY.states))
     SUMMARY.append(f"impl storage conformance: {TALLY.examples} examples, {TALLY.steps} "
                    f"steps, {TALLY.checks} checks; faults "
-                   f"{dict(sorted(FAULTS.items()))}; ops {dict(sorted(TALLY.ops.items()))}")
+                   f"{dict(sorted(FAULTS.items()))}; ops {dict(sorted(TALLY.ops.items()))}; "
+                   f"states {dict(sorted(TALLY.states.items()))}; "
+                   f"swarm {dict(sorted(TALLY.swarm.items()))}")
 
 
 TOKENS = (1, 2, 3, 1, 2, 3, 1, 2)

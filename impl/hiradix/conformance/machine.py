@@ -327,8 +327,9 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
         # selective backups frequent: a random key rarely repeats a long prefix.
         @precondition(lambda self: bool(self.seen))
         @rule(index=st.integers(0, 63), evict_first=st.integers(0, 24),
-              quota=st.none() | st.integers(0, 24))
-        def request_again(self, index: int, evict_first: int, quota: int | None) -> None:
+              quota=st.none() | st.integers(0, 24), settle=st.booleans())
+        def request_again(self, index: int, evict_first: int, quota: int | None,
+                          settle: bool = False) -> None:
             tokens, namespace = self.seen[index % len(self.seen)]
             engine = self.cache.engine
             if evict_first and isinstance(engine, ControlledCopyEngine):
@@ -338,6 +339,22 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if evict_first:
                 self.evict_both(evict_first)
             self.serve(tokens, namespace, 1, False, 0, False, quota)
+            if settle:
+                self.settle()
+
+        def settle(self) -> None:
+            """Time passes: every copy in flight lands and is acknowledged, as a
+            scheduler that waits for its request's load does. Without it a load is
+            acknowledged only when separate rules finish the copy and then check, which
+            rarely follow each other (a load's lock never released went unseen)."""
+            engine = self.cache.engine
+            if isinstance(engine, ControlledCopyEngine):
+                for direction in ("h2d", "d2h"):
+                    engine.complete(direction, engine.queued(direction))  # type: ignore[arg-type]
+            if self.cache.pending["h2d"]:
+                self.step("loading_check", ops.loading_check, self.cache.loading_check())
+            if self.cache.pending["d2h"]:
+                self.step("writing_check", ops.writing_check, self.acknowledge_writes())
 
         # Branching host-only subtrees (issue 17): a shared stem with diverging tails,
         # every page pushed to host, then host eviction under pressure. Random keys over
