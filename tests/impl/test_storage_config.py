@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ from hiradix.storage import (
     parse_storage_config,
     prefetch_timeout,
 )
+from hiradix.storage.config import MAX_CONFIG_BYTES
 
 FULL = {
     "backend": "file",
@@ -180,6 +183,47 @@ def test_inconsistent_or_unknown_fields_are_named(fields: dict[str, object], fie
 def test_unreadable_text_is_a_typed_error(text: str, says: str) -> None:
     with pytest.raises(StorageConfigError, match=says):
         parse_storage_config(text)
+
+
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "fifo.json"
+    os.mkfifo(path)  # opening it for reading would wait for a writer
+    return path
+
+
+def _device(tmp_path: Path) -> Path:
+    path = tmp_path / "zero.json"
+    path.symlink_to("/dev/zero")  # endless: reading it would never finish
+    return path
+
+
+def _written(name: str, data: bytes) -> Callable[[Path], Path]:
+    def make(tmp_path: Path) -> Path:
+        path = tmp_path / name
+        path.write_bytes(data)
+        return path
+    return make
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (_fifo, "not a regular file"),
+    (_device, "not a regular file"),
+    (_written("latin.json", b'{"model_identity": "caf\xe9"}'), "not UTF-8"),
+    (_written("huge.json", b" " * (MAX_CONFIG_BYTES + 1) + b"{}"), "larger than"),
+    (_written("deep.json", b"[" * 100_000 + b"]" * 100_000), "nests too deeply"),
+    (_written("deep.toml", b"x = " + b"[" * 100_000 + b"]" * 100_000), "nests too deeply"),
+])
+def test_hostile_config_files_are_typed_errors(tmp_path: Path, make: Callable[[Path], Path],
+                                               says: str) -> None:
+    with pytest.raises(StorageConfigError, match=says) as raised:
+        parse_storage_config(f"@{make(tmp_path)}")
+    assert raised.value.field == "text"
+
+
+def test_a_path_with_nul_is_a_typed_error() -> None:
+    with pytest.raises(StorageConfigError, match="NUL") as raised:
+        parse_storage_config("@/tmp/a\0b.json")
+    assert raised.value.field == "text"
 
 
 def test_bad_toml_and_non_string_text(tmp_path: Path) -> None:

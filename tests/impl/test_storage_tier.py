@@ -16,10 +16,12 @@ from hiradix.conformance.scenario import Scenario
 from hiradix.errors import InvalidArgument
 from hiradix.keys import RadixKey
 from hiradix.storage import (
+    BackupResult,
     ControlledBackend,
     Fault,
     FileBackend,
     MemoryBackend,
+    PrefetchResult,
     StorageArgumentError,
     StorageBackend,
 )
@@ -336,6 +338,20 @@ def test_invalid_tier_settings_are_typed_errors(fields: dict[str, object],
     (lambda t, c: t.release_aborted_request(""), "request"),
     (lambda t, c: TierSettings(timeout_base=-1), "timeout_base"),
     (lambda t, c: TierSettings(prefetch_policy="eager"), "prefetch_policy"),  # type: ignore[arg-type]
+    (lambda t, c: t.backup_pages(None), "run"),  # type: ignore[arg-type]
+    (lambda t, c: t.backup_pages(PageRun((1, 2), 0, 1)), "run"),  # type: ignore[arg-type]
+    (lambda t, c: t.backup_pages(PageRun(RadixKey((1, 2, 3, 4)), 0, 2)), "run"),  # no host copy
+    (lambda t, c: t.backup_pages(PageRun(KEY, 0, 4)), "run"),  # not cached
+    (lambda t, c: t.backup_pages(PageRun(RadixKey((1, 2, 3, 4)), 0, 3)), "run"),  # past the key
+    (lambda t, c: t.backup_pages(PageRun(RadixKey((1, 2, 3, 4)), 1, 1)), "run"),  # empty
+    (lambda t, c: t.backup_pages(PageRun(RadixKey((1, 2, 3, 4)), True, 2)), "run"),
+    (lambda t, c: t.accept(None, []), "prefetches"),  # type: ignore[arg-type]
+    (lambda t, c: t.accept([], [("write", 1)]), "backups"),  # type: ignore[list-item]
+    (lambda t, c: t.accept([], [BackupResult(99, 1)]), "backups"),  # no such write
+    (lambda t, c: t.accept([PrefetchResult(999, 0, 0)], []), "prefetches"),  # never issued
+    (lambda t, c: t.accept([PrefetchResult(0, -1, 0)], []), "prefetches"),  # malformed
+    (lambda t, c: t.accept([PrefetchResult(0, 1, 0), PrefetchResult(0, 1, 0)], []),
+     "prefetches"),  # one operation answered twice
 ])
 def test_misuse_raises_a_typed_error_naming_the_argument_and_changes_nothing(
         call, argument: str) -> None:  # type: ignore[no-untyped-def]

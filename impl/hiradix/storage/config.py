@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -32,6 +34,7 @@ BACKENDS: tuple[BackendKind, ...] = get_args(BackendKind)
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 FILE_FORMATS = (".json", ".toml", ".yaml", ".yml")
+MAX_CONFIG_BYTES = 1 << 20  # a storage config is a few hundred bytes
 
 
 def _is_number(value: object) -> bool:
@@ -113,15 +116,42 @@ def _read_file(path_text: str) -> Any:
     """The parsed contents of a config file; its format from its extension."""
     if not path_text:
         raise StorageConfigError("text", "'@' must be followed by a file path")
+    if "\0" in path_text:
+        raise StorageConfigError("text", "the config file path contains a NUL character")
     path = Path(path_text)
     suffix = path.suffix.lower()
     if suffix not in FILE_FORMATS:
         raise StorageConfigError("text", f"config file {path} has extension {suffix!r}; "
                                          f"expected one of {FILE_FORMATS}")
+    content = _read_text(path)
     try:
-        content = path.read_text(encoding="utf-8")
+        return _parse_file(content, path, suffix)
+    except RecursionError as error:
+        raise StorageConfigError("text", f"{path} nests too deeply to parse") from error
+
+
+def _read_text(path: Path) -> str:
+    """The file's text: a regular file of at most MAX_CONFIG_BYTES, in UTF-8. Checked
+    on the open descriptor, so a FIFO or a device (``/dev/zero``) is refused, not read
+    (non-blocking open: opening a FIFO would otherwise wait for a writer)."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as stream:
+            info = os.fstat(stream.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise StorageConfigError("text", f"config file {path} is not a regular file")
+            data = stream.read(MAX_CONFIG_BYTES + 1)
     except OSError as error:
         raise StorageConfigError("text", f"cannot read config file {path}: {error}") from error
+    if len(data) > MAX_CONFIG_BYTES:
+        raise StorageConfigError("text", f"config file {path} is larger than "
+                                         f"{MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise StorageConfigError("text", f"config file {path} is not UTF-8: {error}") from error
+
+
+def _parse_file(content: str, path: Path, suffix: str) -> Any:
     if suffix == ".json":
         return _parse_json(content, str(path))
     if suffix == ".toml":
@@ -145,6 +175,8 @@ def _parse_json(content: str, where: str) -> Any:
         return json.loads(content)
     except json.JSONDecodeError as error:
         raise StorageConfigError("text", f"{where} is not valid JSON: {error}") from error
+    except RecursionError as error:
+        raise StorageConfigError("text", f"{where} nests too deeply to parse") from error
 
 
 def parse_storage_config(text: str) -> StorageConfig:

@@ -561,11 +561,41 @@ class StorageTier:
     @_serialised
     def accept(self, prefetches: list[PrefetchResult], backups: list[BackupResult]) -> None:
         """Apply I/O results the caller drained from ``io`` itself (the conformance layer
-        does, to report each to the model first); prefetches first, as ``run_pending``."""
+        does, to report each to the model first); prefetches first, as ``run_pending``.
+        Every result must answer an operation this tier issued and has not yet heard
+        from; all are checked before any is applied."""
+        self._require_results(prefetches, backups)
         for prefetch_result in prefetches:
             self._on_prefetch(prefetch_result)
         for backup_result in backups:
             self._on_backup(backup_result)
+
+    def _require_results(self, prefetches: object, backups: object) -> None:
+        for argument, results, kind in (("prefetches", prefetches, PrefetchResult),
+                                        ("backups", backups, BackupResult)):
+            if not isinstance(results, list) or not all(isinstance(r, kind) for r in results):
+                raise StorageArgumentError(argument, f"must be a list of {kind.__name__}")
+            ids = [r.op_id for r in results]
+            if len(set(ids)) != len(ids):
+                raise StorageArgumentError(argument, f"answers one operation twice: {ids}")
+            for result in results:
+                count_fields = [result.op_id, result.pages_done]
+                if isinstance(result, PrefetchResult):
+                    count_fields.append(result.pages_hit)
+                if any(not is_int(v) or v < 0 for v in count_fields):
+                    raise StorageArgumentError(argument, f"malformed result {result}")
+        assert isinstance(prefetches, list) and isinstance(backups, list)
+        for result in backups:
+            write = self.state.writes.get(result.op_id)
+            if write is None or write.phase == "acked":
+                raise StorageArgumentError("backups", f"write {result.op_id} is not in "
+                                                      "flight")
+        # A prefetch's result may arrive after it ended (terminated or detached): that one
+        # is dropped; an id this tier never issued is a caller's mistake.
+        for result in prefetches:
+            if result.op_id >= self.state.next_id:
+                raise StorageArgumentError("prefetches", f"operation {result.op_id} was never "
+                                                         "issued")
 
     def _timeout_now(self, cache_now: int) -> int:
         """The timeout clock's tick; the cache's own tick ``cache_now`` when they are one
@@ -725,6 +755,7 @@ class StorageTier:
         """S-R1 for ``run`` (pages with a complete host copy): write the ones the backend
         lacks, each host-protected until the write's ack is drained. False: none lacked."""
         attachment = self._require()
+        self._require_backed_up_run(run)
         hashes = self._hashes(run.key, attachment.identity)
         lacking = [page for page in range(run.start, run.end)
                    if not self._stored(attachment.backend, hashes[page])]
@@ -745,6 +776,31 @@ class StorageTier:
         self.metrics.writes_issued += 1
         self.metrics.write_pages_issued += len(lacking)
         return True
+
+    def _require_backed_up_run(self, run: object) -> None:
+        """``run`` names whole pages of its key that are cached with a host copy; checked
+        without splitting, so a refused run changes nothing."""
+        if not isinstance(run, PageRun):
+            raise StorageArgumentError("run", f"must be a PageRun, got {type(run).__name__}")
+        if not isinstance(run.key, RadixKey):
+            raise StorageArgumentError("run", f"key must be a RadixKey, got "
+                                              f"{type(run.key).__name__}")
+        pages = len(run.key.tokens) // self.page_size
+        for name, value in (("start", run.start), ("end", run.end)):
+            if not is_int(value):
+                raise StorageArgumentError("run", f"{name} must be an int, got {value!r}")
+        if not 0 <= run.start < run.end <= pages:
+            raise StorageArgumentError("run", f"pages [{run.start}, {run.end}) are not a "
+                                              f"non-empty run of the key's {pages} pages")
+        size, position = self.page_size, 0
+        for node, matched in self.cache._walk(run.key, run.end * size):
+            low, position = position, position + matched
+            if position > run.start * size and node.host is None:
+                raise StorageArgumentError("run", f"tokens [{low}, {position}) have no "
+                                                  "host copy to back up")
+        if position < run.end * size:
+            raise StorageArgumentError("run", f"only {position} tokens of the key are cached; "
+                                              f"the run ends at {run.end * size}")
 
     def _stored(self, backend: StorageBackend, page_hash: str) -> bool:
         """Whether ``backend`` has the page; a failing check (any ``Exception``) answers
