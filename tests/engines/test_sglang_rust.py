@@ -239,10 +239,12 @@ def test_unobservable_fields_are_declared_and_only_those_come_from_the_model() -
     machine.teardown()
 
 
-def _kept_after_a_split(core: str) -> list[tuple[int, ...]]:
-    """spec/07r DEV-R1's example on tree core ``core``, through SGLang's own API: two
-    entries, a match of the second, a match that splits the first, one page evicted
-    under MRU; the pages still cached."""
+def _kept_after(core: str, strategy: str, inserts: list[tuple[int, ...]],
+                matches: list[tuple[int, ...]], pages: list[tuple[int, ...]],
+                evict: int) -> list[tuple[int, ...]]:
+    """Through SGLang's own API on tree core ``core``, device tier only, page size 2:
+    ``inserts`` in order, then ``matches``, then an eviction of ``evict`` tokens (all of
+    them must go: SGLang evicts whole nodes); which of ``pages`` are still cached."""
     from array import array
 
     from hiradix.conformance.adapters.sglang_rust import _prepare
@@ -256,21 +258,28 @@ def _kept_after_a_split(core: str) -> list[tuple[int, ...]]:
                                                        False)
     cache = m["urc"].UnifiedRadixCache(m["params"].CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
-        page_size=ps, eviction_policy="mru",
+        page_size=ps, eviction_policy=strategy,
         tree_components=(m["components"].ComponentType.FULL,), tree_core_backend=core))
     base = m["base"]
 
     def key(tokens: tuple[int, ...]) -> Any:
         return m["radix"].RadixKey(token_ids=array("q", tokens), extra_key=None)
 
-    for tokens in [(2, 2, 1, 2), (1, 1, 1, 1)]:
-        cache.insert(base.InsertParams(key=key(tokens), value=allocator.alloc(4)))
-    cache.match_prefix(base.MatchPrefixParams(key=key((1, 1, 1, 1))))
-    cache.match_prefix(base.MatchPrefixParams(key=key((2, 2, 1, 1, 1, 1, 1))))  # splits
-    assert cache.evict(base.EvictParams(num_tokens=2)).num_tokens_evicted == 2
-    pages = [(2, 2), (2, 2, 1, 2), (1, 1), (1, 1, 1, 1)]
+    for tokens in inserts:
+        cache.insert(base.InsertParams(key=key(tokens), value=allocator.alloc(len(tokens))))
+    for tokens in matches:
+        cache.match_prefix(base.MatchPrefixParams(key=key(tokens)))
+    assert cache.evict(base.EvictParams(num_tokens=evict)).num_tokens_evicted >= evict
     return [t for t in pages if cache.match_prefix(
         base.MatchPrefixParams(key=key(t))).device_prefix_len == len(t)]
+
+
+def _kept_after_a_split(core: str) -> list[tuple[int, ...]]:
+    """spec/07r DEV-R1's example: two entries, a match of the second, a match that
+    splits the first, one page evicted under MRU."""
+    return _kept_after(core, "mru", [(2, 2, 1, 2), (1, 1, 1, 1)],
+                       [(1, 1, 1, 1), (2, 2, 1, 1, 1, 1, 1)],
+                       [(2, 2), (2, 2, 1, 2), (1, 1), (1, 1, 1, 1)], 2)
 
 
 def test_dev_r1_a_split_stamps_the_suffix_in_both_tree_cores() -> None:
@@ -280,3 +289,37 @@ def test_dev_r1_a_split_stamps_the_suffix_in_both_tree_cores() -> None:
     campaign is DEV-1, which this engine cannot adopt, not a Rust-core bug."""
     kept = {core: _kept_after_a_split(core) for core in ("python", "rust")}
     assert kept["rust"] == kept["python"] == [(2, 2), (1, 1), (1, 1, 1, 1)], kept
+
+
+# spec/07r DEV-R1, the p2/lru finding shrunk (three requests): the second request's pages
+# are the older in the model, but the third request's match splits the first entry and
+# SGLang stamps its unmatched suffix (DEV-1), so both cores evict the second entry.
+LRU_SPLIT = [((1, 2, 3, 1, 1), True, False, 0), ((1, 3, 2, 1), False, True, 1),
+             ((1, 2, 1, 2, 2, 1, 1), True, False, 1)]
+
+
+def test_dev_r1_p2_lru_the_shrunk_campaign_finding_diverges_on_the_rust_core() -> None:
+    """The campaign's p2/lru divergence, shrunk by removing steps: the engine's victim is
+    the newer entry, which the model (not knowing the split stamped the older one,
+    DEV-R1) judges illegal."""
+    from hiradix_model.errors import IllegalChoice
+    machine = make_differential(factory(ENGINE, Scenario(page_size=2, eviction="lru")))()
+    try:
+        with pytest.raises(IllegalChoice, match=r"victims\[0\]: Key\(tokens=\(1, 3\)"):
+            for tokens, keep, chunked, dt in LRU_SPLIT:
+                machine.request(tokens=tokens, namespace=None, dt=dt, chunked=chunked,
+                                priority=0, keep_lock=keep)
+                machine.engine_refines_the_model()
+    finally:
+        machine.teardown()
+
+
+def test_dev_r1_p2_lru_both_tree_cores_evict_the_entry_the_split_left_older() -> None:
+    """The same example through SGLang's own API: the Python core, whose stamps the
+    Python-core adapter reads and adopts (DEV-1), evicts exactly what the Rust core
+    evicts. So the p2/lru finding is DEV-1 seen through DEV-R1, not a Rust-core bug."""
+    pages = [(1, 2), (1, 2, 3, 1), (1, 3), (1, 3, 2, 1)]
+    kept = {core: _kept_after(core, "lru", [(1, 2, 3, 1), (1, 3, 2, 1)],
+                              [(1, 2, 1, 2, 2, 1, 1)], pages, 2)
+            for core in ("python", "rust")}
+    assert kept["rust"] == kept["python"] == [(1, 2), (1, 2, 3, 1)], kept

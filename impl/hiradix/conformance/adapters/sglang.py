@@ -18,7 +18,16 @@ which of several tied leaves is evicted, a choice SGLang leaves to object addres
 
 On CPU torch, SGLang's streams and events are no-ops: a copy is finished by the next
 check, so copies in flight are observed only between an operation and its check.
-Only the ``layer_first`` host layout and MHA pools are adapted.
+
+Pools: MHA (``MHATokenToKVPool`` + ``MHATokenToKVPoolHost``) or MLA
+(``MLATokenToKVPool`` + ``MLATokenToKVPoolHost``: one latent buffer per layer), as the
+scenario's ``kv_layout`` says. Host layouts: ``layer_first``, and the scenario's
+``page_first`` as SGLang's ``page_first_direct`` -- SGLang's own server turns
+``page_first`` with the ``direct`` I/O backend into ``page_first_direct``
+(``resolve_layout_io_compatibility``); ``page_first`` proper needs the CUDA kernels. The
+``direct`` backend's two page-first copies (``sgl_kernel``, CUDA only) are given as plain
+indexing of the ``[page, layer, offset, ...]`` host buffer, so on CPU the layout's
+buffer shape, allocation and index handling are SGLang's, the element copies ours.
 """
 
 from __future__ import annotations
@@ -38,7 +47,12 @@ from hiradix_model import Config, Key, Page, State, Transfer, ops
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 2
 DTYPE = torch.float16
-TOKEN_SHAPE = (2, HEADS, HEAD_DIM)
+TOKEN_SHAPE = (2, HEADS, HEAD_DIM)  # MHA: K and V
+KV_LORA_RANK, QK_ROPE_DIM = 2, 1
+MLA_TOKEN_SHAPE = (1, KV_LORA_RANK + QK_ROPE_DIM)  # MLA: one latent vector
+# The scenario's host layout -> SGLang's, with the ``direct`` I/O backend (module docstring).
+HOST_LAYOUTS = {"layer_first": "layer_first", "page_first": "page_first_direct"}
+KV_LAYOUTS = ("mha", "mla")
 RADIX_OPS = frozenset({"match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "alloc",
                        "free", "evict", "reset"})
 # write_backup is left out on purpose: SGLang's refuses a node whose parent has no host
@@ -121,6 +135,82 @@ def _transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence
         dst.index_copy_(0, dst_indices.to(torch.int64), src.index_select(0, src_indices))
 
 
+def _page_first(index: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host token index as (page, offset) of a ``page_first_direct`` buffer."""
+    index = index.to(torch.int64)
+    return index // page_size, index % page_size
+
+
+def _transfer_pf_to_lf(src_ptrs: Sequence[torch.Tensor], dst_ptrs: Sequence[torch.Tensor],
+                       src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int,
+                       page_size: int) -> None:
+    """``transfer_kv_per_layer_direct_pf_lf`` on CPU: one layer of a load, from host
+    buffers ``[page, layer, offset, ...]`` into the device layer buffers."""
+    page, offset = _page_first(src_indices, page_size)
+    for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
+        dst.index_copy_(0, dst_indices.to(torch.int64), src[page, layer_id, offset])
+
+
+def _transfer_lf_to_pf(src_ptrs: Sequence[torch.Tensor], dst_ptrs: Sequence[torch.Tensor],
+                       src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                       page_size: int) -> None:
+    """``transfer_kv_all_layer_direct_lf_pf`` on CPU: a backup of every layer; the
+    source is each destination's device layers in turn (K layers, then V layers)."""
+    layers = len(src_ptrs) // len(dst_ptrs)
+    page, offset = _page_first(dst_indices, page_size)
+    source = src_indices.to(torch.int64)
+    for i, dst in enumerate(dst_ptrs):
+        for layer in range(layers):
+            dst[page, layer, offset] = src_ptrs[i * layers + layer].index_select(0, source)
+
+
+def token_shape(kv_layout: str) -> tuple[int, ...]:
+    """One token's KV in one layer, as the suite's test patterns shape it."""
+    return MLA_TOKEN_SHAPE if kv_layout == "mla" else TOKEN_SHAPE
+
+
+def check_layouts(scenario: Scenario, engine: str) -> None:
+    """The pools this module builds: MHA or MLA; ``layer_first`` or ``page_first``."""
+    if scenario.kv_layout not in KV_LAYOUTS or scenario.host_layout not in HOST_LAYOUTS:
+        raise ValueError(f"scenario: {engine} takes kv_layout in {KV_LAYOUTS} and "
+                         f"host_layout in {tuple(HOST_LAYOUTS)}")
+
+
+def write_device_kv(kv: Any, index: torch.Tensor, values: torch.Tensor) -> None:
+    """Store ``values`` (``[layers, n, *token_shape]``) at device slots ``index``."""
+    for layer in range(LAYERS):
+        if hasattr(kv, "kv_buffer"):  # MLA: one latent buffer per layer
+            kv.kv_buffer[layer][index] = values[layer]
+        else:
+            kv.k_buffer[layer][index] = values[layer, :, 0]
+            kv.v_buffer[layer][index] = values[layer, :, 1]
+
+
+def read_device_kv(kv: Any, index: torch.Tensor) -> torch.Tensor:
+    """The KV at device slots ``index``: ``[layers, n, *token_shape]``."""
+    if hasattr(kv, "kv_buffer"):
+        return torch.stack([kv.kv_buffer[layer][index] for layer in range(LAYERS)])
+    return torch.stack([torch.stack([kv.k_buffer[layer][index], kv.v_buffer[layer][index]],
+                                    dim=1) for layer in range(LAYERS)])
+
+
+def read_host_kv(host: Any, slots: Sequence[int], kv_layout: str) -> torch.Tensor:
+    """The KV at host slots ``slots`` (``[layers, n, *token_shape]``), read through the
+    host pool's layout: ``[layer, token, ...]`` or ``[page, layer, offset, ...]``."""
+    index = torch.tensor(list(slots), dtype=torch.int64)
+    buffers = [host.kv_buffer] if kv_layout == "mla" else [host.k_buffer, host.v_buffer]
+    if host.layout == "layer_first":
+        parts = [[buffer[layer][index] for buffer in buffers] for layer in range(LAYERS)]
+    elif host.layout == "page_first_direct":
+        page, offset = _page_first(index, host.page_size)
+        parts = [[buffer[page, layer, offset] for buffer in buffers] for layer in range(LAYERS)]
+    else:
+        raise ValueError(f"host layout {host.layout!r} is not adapted")
+    if kv_layout == "mla":
+        return torch.stack([layer[0] for layer in parts])
+    return torch.stack([torch.stack(layer, dim=1) for layer in parts])
+
+
 def chunked_only(key: Key, page_size: int, chunked: bool, counted_from: int,
                  engine: str) -> bool:
     """``chunked`` for an engine whose insert takes only that (DEV-25):
@@ -133,13 +223,18 @@ def chunked_only(key: Key, page_size: int, chunked: bool, counted_from: int,
     return chunked or 0 < counted_from == aligned
 
 
-def device_pools(modules: Mapping[str, Any], page_size: int,
-                 device_pages: int) -> tuple[Any, Any]:
-    """SGLang's MHA device KV pool and its allocator (token or paged), built by hand on
-    the CPU as every SGLang adapter needs them: ``(kv, allocator)``."""
+def device_pools(modules: Mapping[str, Any], page_size: int, device_pages: int,
+                 kv_layout: str = "mha") -> tuple[Any, Any]:
+    """SGLang's device KV pool (MHA or MLA) and its allocator (token or paged), built by
+    hand on the CPU as every SGLang adapter needs them: ``(kv, allocator)``."""
     device_slots = device_pages * page_size
-    kv = modules["pool"].MHATokenToKVPool(device_slots, page_size, DTYPE, HEADS, HEAD_DIM,
-                                          LAYERS, device="cpu", enable_memory_saver=False)
+    if kv_layout == "mla":
+        kv = modules["pool"].MLATokenToKVPool(device_slots, page_size, DTYPE, KV_LORA_RANK,
+                                              QK_ROPE_DIM, LAYERS, device="cpu",
+                                              enable_memory_saver=False)
+    else:
+        kv = modules["pool"].MHATokenToKVPool(device_slots, page_size, DTYPE, HEADS, HEAD_DIM,
+                                              LAYERS, device="cpu", enable_memory_saver=False)
     if page_size == 1:
         allocator = modules["token"].TokenToKVPoolAllocator(device_slots, DTYPE, "cpu", kv,
                                                             False)
@@ -151,13 +246,20 @@ def device_pools(modules: Mapping[str, Any], page_size: int,
 
 def patch_for_cpu(host_module: Any) -> Any:
     """Steps 2 to 4 of the module docstring, shared by every SGLang adapter: host pools
-    unpinned, the direct transfer as ``index_copy_``, one gloo rank. The process group
-    the caches all-reduce over."""
-    host_cls = host_module.MHATokenToKVPoolHost
-    defaults = list(host_cls.__init__.__defaults__)
-    defaults[0] = False  # pin_memory: pinning needs CUDA
-    host_cls.__init__.__defaults__ = tuple(defaults)
-    host_module.transfer_kv_direct = _transfer_kv_direct
+    (MHA, and MLA from ``pool_host.mla``) unpinned, the direct transfers as plain
+    indexing, one gloo rank. The process group the caches all-reduce over."""
+    import importlib
+    mla_module = importlib.import_module("sglang.srt.mem_cache.pool_host.mla")
+    for module, host_cls in [(host_module, host_module.MHATokenToKVPoolHost),
+                             (mla_module, mla_module.MLATokenToKVPoolHost)]:
+        if host_cls.__init__.__code__.co_varnames[6] != "pin_memory":
+            raise AttributeError(f"{host_cls.__name__}'s first default is not pin_memory")
+        defaults = list(host_cls.__init__.__defaults__)
+        defaults[0] = False  # pin_memory: pinning needs CUDA
+        host_cls.__init__.__defaults__ = tuple(defaults)
+        module.transfer_kv_direct = _transfer_kv_direct
+        module.transfer_kv_per_layer_direct_pf_lf = _transfer_pf_to_lf
+        module.transfer_kv_all_layer_direct_lf_pf = _transfer_lf_to_pf
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
                                              rank=0, world_size=1)
@@ -212,9 +314,7 @@ class SglangAdapter:
     """One SGLang cache (``RadixCache`` if ``hierarchical`` is False) for one scenario."""
 
     def __init__(self, scenario: Scenario, hierarchical: bool) -> None:
-        if scenario.kv_layout != "mha" or scenario.host_layout != "layer_first":
-            raise ValueError("scenario: the SGLang adapters take MHA pools with the "
-                             "layer_first host layout only")
+        check_layouts(scenario, "sglang")
         self.env = _prepare()
         self.env.clock.now = 0  # not the previous cache's last tick
         m = self.env.modules
@@ -223,7 +323,10 @@ class SglangAdapter:
         self.version = probe(self.name)
         ps = self.ps = scenario.page_size
         device_slots = scenario.device_pages * ps
-        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages)
+        self.kv_layout = scenario.kv_layout
+        self.token_shape = token_shape(scenario.kv_layout)
+        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages,
+                                               scenario.kv_layout)
         params = m["params"].CacheInitParams(
             disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
             page_size=ps, eviction_policy=scenario.eviction, tp_cache_group=self.env.group)
@@ -232,7 +335,8 @@ class SglangAdapter:
                 model_path="dummy", device="cpu", page_size=ps,
                 enable_hierarchical_cache=True,
                 hicache_ratio=scenario.host_pages / scenario.device_pages, hicache_size=0,
-                hicache_mem_layout="layer_first", hicache_write_policy=scenario.write_policy,
+                hicache_mem_layout=HOST_LAYOUTS[scenario.host_layout],
+                hicache_write_policy=scenario.write_policy,
                 hicache_io_backend="direct", hicache_storage_backend=None)
             m["context"].publish(args, role="test")
             self.cache = m["hi"].HiRadixCache(params, args)
@@ -257,6 +361,9 @@ class SglangAdapter:
             "last_tick": "DEV-1 (ticks stamped before the match), DEV-4 (fresh ticks on split)",
             "insert_tick": "DEV-4 (a split's upper half is created anew)",
         }
+        if hierarchical and scenario.write_policy == "write_back":
+            self.adopted = {**self.adopted,
+                            "hits": "DEV-3 (no hits are counted under write_back)"}
         self.mapped: Mapping[str, str] = {
             "slot ids": f"SGLang reserves device page 0 for padding: spec slot = SGLang slot "
                         f"- {ps}",
@@ -366,11 +473,8 @@ class SglangAdapter:
         self.allocator.free(self._to_engine(slots))
 
     def write_kv(self, slots: Sequence[int], contents: Sequence[Key]) -> None:
-        values = patterns(list(contents), LAYERS, TOKEN_SHAPE, DTYPE)
-        index = self._to_engine(slots)
-        for layer in range(LAYERS):
-            self.kv.k_buffer[layer][index] = values[layer, :, 0]
-            self.kv.v_buffer[layer][index] = values[layer, :, 1]
+        values = patterns(list(contents), LAYERS, self.token_shape, DTYPE)
+        write_device_kv(self.kv, self._to_engine(slots), values)
 
     def insert(self, key: Key, slots: Sequence[int], *, priority: int, chunked: bool,
                counted_from: int = 0) -> int:
@@ -518,17 +622,10 @@ class SglangAdapter:
         return frozenset(s - self.ps for s in slots)
 
     def _read_device(self, slots: list[int]) -> torch.Tensor:
-        index = self._to_engine(slots)
-        return torch.stack([torch.stack([self.kv.k_buffer[layer][index],
-                                         self.kv.v_buffer[layer][index]], dim=1)
-                            for layer in range(LAYERS)])
+        return read_device_kv(self.kv, self._to_engine(slots))
 
     def _read_host(self, slots: list[int]) -> torch.Tensor:
-        host = self.cache.token_to_kv_pool_host
-        index = torch.tensor(slots, dtype=torch.int64)
-        return torch.stack([torch.stack([host.k_buffer[layer][index],
-                                         host.v_buffer[layer][index]], dim=1)
-                            for layer in range(LAYERS)])
+        return read_host_kv(self.cache.token_to_kv_pool_host, slots, self.kv_layout)
 
     def observe(self, model: State) -> State:
         pages: dict[Key, Page] = {}
@@ -553,7 +650,7 @@ class SglangAdapter:
         held = frozenset(set(range(self.config.device_slots)) - device_free - owned)
         visible_device = sorted((owned | held) - arriving["h2d"])
         device_kv = decode_kv(self._read_device(visible_device), dict(model.device_kv),
-                              visible_device, LAYERS, TOKEN_SHAPE, DTYPE)
+                              visible_device, LAYERS, self.token_shape, DTYPE)
         if self.hierarchical:
             host_pool = self.cache.token_to_kv_pool_host
             host_pool._merge_release_slots()
@@ -561,7 +658,7 @@ class SglangAdapter:
             visible_host = sorted({s for p in pages.values() for s in p.host or ()}
                                   - arriving["d2h"])
             host_kv = decode_kv(self._read_host(visible_host), dict(model.host_kv),
-                                visible_host, LAYERS, TOKEN_SHAPE, DTYPE)
+                                visible_host, LAYERS, self.token_shape, DTYPE)
         else:
             host_free, host_kv = frozenset(), {}
         return State(config=model.config, pages=pages, device_free=device_free,
@@ -583,7 +680,11 @@ def factory(engine: str, scenario: Scenario) -> Callable[[], EngineAdapter]:
 
 
 def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
-    """The scenario values the SGLang adapters take (the suite's CLI uses it)."""
-    return {"host_layout": ("layer_first",), "kv_layout": ("mha",),
-            "write_policy": ("write_through", "write_through_selective")}
+    """The scenario values the SGLang adapters take (the suite's CLI uses it).
+    RadixCache has no host tier: one host layout, one write policy stand for all."""
+    if engine == "sglang-radix":
+        return {"host_layout": ("layer_first",), "kv_layout": KV_LAYOUTS,
+                "write_policy": ("write_through",)}
+    return {"host_layout": tuple(HOST_LAYOUTS), "kv_layout": KV_LAYOUTS,
+            "write_policy": ("write_through", "write_through_selective", "write_back")}
 

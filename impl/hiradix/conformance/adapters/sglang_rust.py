@@ -51,7 +51,8 @@ tokens / namespace per node      not exposed: decoded from the KV bytes at the n
                                  slots, which name their content (spec/06 KV codebook)
 hits, ticks, priority            not exposed anywhere (no accessor, not in pretty_print,
                                  the clock is Rust's own): spec/07r DEV-R1
-KV bytes                         the device pool's ``k_buffer``/``v_buffer`` (Python)
+KV bytes                         the device pool's ``k_buffer``/``v_buffer`` (MHA) or
+                                 ``kv_buffer`` (MLA) (Python)
 ==============================  ==========================================================
 
 How ``observe`` is built (partial observation): the suite compares whole ``State``\\s,
@@ -93,10 +94,13 @@ from hiradix.conformance.abstraction import decode_kv
 from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.conformance.adapters.sglang import (
     DTYPE,
+    KV_LAYOUTS,
     LAYERS,
-    TOKEN_SHAPE,
     chunked_only,
     device_pools,
+    read_device_kv,
+    token_shape,
+    write_device_kv,
 )
 from hiradix.conformance.adapters.sglang_unified import (
     from_engine,
@@ -192,8 +196,8 @@ class SglangRustAdapter:
     name = "sglang-unified-rust"
 
     def __init__(self, scenario: Scenario) -> None:
-        if scenario.kv_layout != "mha":
-            raise ValueError("scenario: the SGLang Rust-core adapter takes MHA pools only")
+        if scenario.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"scenario: the SGLang Rust-core adapter takes {KV_LAYOUTS}")
         self.env = _prepare()
         m = self.env.modules
         self.version = probe(self.name)
@@ -201,7 +205,9 @@ class SglangRustAdapter:
         device_slots = scenario.device_pages * ps
         args = m["args"].ServerArgs(model_path="dummy", device="cpu", page_size=ps)
         m["context"].publish(args, role="test")
-        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages)
+        self.token_shape = token_shape(scenario.kv_layout)
+        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages,
+                                               scenario.kv_layout)
         full = m["components"].ComponentType.FULL
         self.full = full
         params = m["params"].CacheInitParams(
@@ -305,11 +311,8 @@ class SglangRustAdapter:
         raise KeyError(f"{self.name}: no node ends at {page}")
 
     def _read_device(self, engine_slots: Sequence[int]) -> torch.Tensor:
-        """``[layers, len(slots), 2, heads, dim]``."""
-        index = torch.tensor(list(engine_slots), dtype=torch.int64)
-        return torch.stack([torch.stack([self.kv.k_buffer[layer][index],
-                                         self.kv.v_buffer[layer][index]], dim=1)
-                            for layer in range(LAYERS)])
+        """``[layers, len(slots), *token_shape]``."""
+        return read_device_kv(self.kv, torch.tensor(list(engine_slots), dtype=torch.int64))
 
     def _content(self, engine_slot: int) -> Key | None:
         """Whose KV the device slot holds, if the adapter wrote it."""
@@ -361,11 +364,8 @@ class SglangRustAdapter:
             self.allocator.free(self._to_engine(rest))
 
     def write_kv(self, slots: Sequence[int], contents: Sequence[Key]) -> None:
-        values = patterns(list(contents), LAYERS, TOKEN_SHAPE, DTYPE)
-        index = self._to_engine(slots)
-        for layer in range(LAYERS):
-            self.kv.k_buffer[layer][index] = values[layer, :, 0]
-            self.kv.v_buffer[layer][index] = values[layer, :, 1]
+        values = patterns(list(contents), LAYERS, self.token_shape, DTYPE)
+        write_device_kv(self.kv, self._to_engine(slots), values)
         for i, content in enumerate(contents):
             self.contents[_fingerprint(values[:, i])] = content
 
@@ -457,7 +457,8 @@ class SglangRustAdapter:
         held = frozenset(set(range(self.config.device_slots)) - device_free - owned)
         visible = sorted(owned | held)
         device_kv = decode_kv(self._read_device([s + self.ps for s in visible]),
-                              dict(model.device_kv), visible, LAYERS, TOKEN_SHAPE, DTYPE)
+                              dict(model.device_kv), visible, LAYERS, self.token_shape,
+                              DTYPE)
         return State(config=model.config, pages=pages, device_free=device_free,
                      host_free=frozenset(), held=held, device_kv=device_kv, host_kv={},
                      pending=(), clock=model.clock,
@@ -488,6 +489,6 @@ def factory(engine: str, scenario: Scenario) -> Callable[[], EngineAdapter]:
 
 def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
     """The scenario values the Rust-core adapter takes (the suite's CLI uses it)."""
-    return {"host_layout": ("layer_first",), "kv_layout": ("mha",),
+    return {"host_layout": ("layer_first",), "kv_layout": KV_LAYOUTS,
             "write_policy": ("write_through",),
             "eviction": ("lru", "lfu", "fifo", "mru", "filo", "priority")}

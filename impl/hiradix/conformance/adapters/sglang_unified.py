@@ -24,7 +24,8 @@ process group, published ``ServerArgs``) and two of its own:
 2. The tree core's evictable-leaf sets are insertion-ordered after every reset (DEV-20).
 
 On CPU torch streams and events are no-ops: a copy is finished by the next check.
-Only the ``layer_first`` host layout and MHA pools are adapted.
+Pools and host layouts as in ``sglang.py``: MHA or MLA, ``layer_first`` or the
+scenario's ``page_first`` as SGLang's ``page_first_direct``.
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ from hiradix.conformance.adapters.base import EngineAdapter, EngineUnavailable, 
 from hiradix.conformance.adapters.sglang import (
     DTYPE,
     HI_OPS,
+    HOST_LAYOUTS,
+    KV_LAYOUTS,
     LAYERS,
-    TOKEN_SHAPE,
     SglangAdapter,
     _InsertionOrdered,
     _Run,
+    check_layouts,
     chunked_only,
     device_pools,
     patch_for_cpu,
+    read_host_kv,
+    token_shape,
 )
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State, Transfer, ops
@@ -165,7 +170,7 @@ def build(env: UnifiedEnv, scenario: Scenario, core: str) -> Built:
     (``python`` or ``rust``), built as ``create_unified_radix_cache`` builds it."""
     m = env.modules
     ps = scenario.page_size
-    kv, allocator = device_pools(m, ps, scenario.device_pages)
+    kv, allocator = device_pools(m, ps, scenario.device_pages, scenario.kv_layout)
     full = m["components"].ComponentType.FULL
     params_kw: dict[str, Any] = dict(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
@@ -180,7 +185,8 @@ def build(env: UnifiedEnv, scenario: Scenario, core: str) -> Built:
     args = m["args"].ServerArgs(
         model_path="dummy", device="cpu", page_size=ps, enable_hierarchical_cache=True,
         hicache_ratio=scenario.host_pages / scenario.device_pages, hicache_size=0,
-        hicache_mem_layout="layer_first", hicache_write_policy=scenario.write_policy,
+        hicache_mem_layout=HOST_LAYOUTS[scenario.host_layout],
+        hicache_write_policy=scenario.write_policy,
         hicache_io_backend="direct", hicache_storage_backend=None,
         radix_eviction_policy=scenario.eviction)
     m["context"].publish(args, role="test")
@@ -216,9 +222,7 @@ class SglangUnifiedAdapter(SglangAdapter):
     core = "python"
 
     def __init__(self, scenario: Scenario) -> None:
-        if scenario.kv_layout != "mha" or scenario.host_layout != "layer_first":
-            raise ValueError("scenario: the SGLang adapters take MHA pools with the "
-                             "layer_first host layout only")
+        check_layouts(scenario, self.name)
         if scenario.eviction not in STRATEGIES:
             raise ValueError(f"scenario: eviction must be one of {STRATEGIES} (DEV-28)")
         self.version = probe(self.name)
@@ -227,6 +231,8 @@ class SglangUnifiedAdapter(SglangAdapter):
         self.m = self.uenv.modules
         self.v20 = self.uenv.version == "0.5.20"
         self.ps = ps = scenario.page_size
+        self.kv_layout = scenario.kv_layout
+        self.token_shape = token_shape(scenario.kv_layout)
         built = build(self.uenv, scenario, self.core)
         self.cache, self.kv, self.allocator, self.host = (built.cache, built.kv,
                                                           built.allocator, built.host)
@@ -245,6 +251,9 @@ class SglangUnifiedAdapter(SglangAdapter):
             "last_tick": "DEV-1 (a split stamps the unmatched suffix), DEV-21 (stamps from "
                          "a global counter, offset per level)",
         }
+        if scenario.write_policy == "write_back":
+            self.adopted = {**self.adopted,
+                            "hits": "DEV-3 (no hits are counted under write_back)"}
         self.mapped: Mapping[str, str] = {
             "slot ids": f"SGLang reserves device page 0 for padding: spec slot = SGLang slot "
                         f"- {ps}",
@@ -491,10 +500,7 @@ class SglangUnifiedAdapter(SglangAdapter):
         return covered
 
     def _read_host(self, slots: list[int]) -> torch.Tensor:
-        index = torch.tensor(slots, dtype=torch.int64)
-        return torch.stack([torch.stack([self.host.k_buffer[layer][index],
-                                         self.host.v_buffer[layer][index]], dim=1)
-                            for layer in range(LAYERS)])
+        return read_host_kv(self.host, slots, self.kv_layout)
 
     def observe(self, model: State) -> State:
         pages: dict[Key, Page] = {}
@@ -525,13 +531,13 @@ class SglangUnifiedAdapter(SglangAdapter):
         held = frozenset(set(range(self.config.device_slots)) - device_free - owned)
         visible_device = sorted((owned | held) - arriving["h2d"])
         device_kv = decode_kv(self._read_device(visible_device), dict(model.device_kv),
-                              visible_device, LAYERS, TOKEN_SHAPE, DTYPE)
+                              visible_device, LAYERS, self.token_shape, DTYPE)
         self.host._merge_release_slots()
         host_free = frozenset(self.host.free_slots.tolist())
         visible_host = sorted({s for p in pages.values() for s in p.host or ()}
                               - arriving["d2h"])
         host_kv = decode_kv(self._read_host(visible_host), dict(model.host_kv), visible_host,
-                            LAYERS, TOKEN_SHAPE, DTYPE)
+                            LAYERS, self.token_shape, DTYPE)
         return State(config=model.config, pages=pages, device_free=device_free,
                      host_free=host_free, held=held, device_kv=device_kv, host_kv=host_kv,
                      pending=pending, clock=model.clock,
@@ -550,6 +556,6 @@ def factory(engine: str, scenario: Scenario) -> Callable[[], EngineAdapter]:
 
 def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
     """The scenario values the adapter takes (the suite's CLI uses it)."""
-    return {"host_layout": ("layer_first",), "kv_layout": ("mha",),
-            "write_policy": ("write_through", "write_through_selective"),
+    return {"host_layout": tuple(HOST_LAYOUTS), "kv_layout": KV_LAYOUTS,
+            "write_policy": ("write_through", "write_through_selective", "write_back"),
             "eviction": STRATEGIES}
