@@ -56,15 +56,15 @@ IDENTITY = ("hiradix",)
 def settings_strategy(page_size: int) -> st.SearchStrategy[StorageSettings]:
     """Settings SGLang and the model read alike: a threshold of at least one page (a
     threshold of 0 starts empty prefetches, DEV-S4) and no rate limit (DEV-S14)."""
-    return st.builds(
+    return st.integers(0, 4).flatmap(lambda base: st.builds(
         StorageSettings,
         prefetch_threshold=st.sampled_from([page_size, 2 * page_size]),
         prefetch_policy=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
-        timeout_base=st.integers(0, 4),
+        timeout_base=st.just(base),
         timeout_per_ki_token=st.sampled_from([0, 512, 4096]),
-        timeout_max=st.integers(0, 8),
+        timeout_max=st.integers(base, 8),
         prefetch_token_limit=st.just(NO_LIMIT),
-    )
+    ))
 
 
 def make_machine(engine: str, scenario: Scenario,
@@ -137,7 +137,11 @@ def make_machine(engine: str, scenario: Scenario,
         def detach(self, go: int, drain_first: bool) -> None:
             if go:
                 return
-            if drain_first:
+            if not drain_first and self.engine.ended_transfers_queued():
+                counts.ops["detach drained first: an ended prefetch's transfer queued "
+                           "(DEV-S18)"] += 1
+                drain_first = True
+            if drain_first and self.drainable():
                 self.drain()
             self.engine.detach()
             self.sstep("detach_storage", ops.detach_storage)
@@ -153,6 +157,10 @@ def make_machine(engine: str, scenario: Scenario,
         def prefetch(self, request: str, index: int, dt: int) -> None:
             if request in self.engine.cache.ongoing_prefetch:
                 counts.ops["second prefetch for a request: not issued (DEV-S3)"] += 1
+                return
+            if request in self.engine.ended_transfers():
+                counts.ops["prefetch not issued: the request's ended transfer is queued "
+                           "(DEV-S19)"] += 1
                 return
             key = self.seen[index % len(self.seen)]
             self.tick(dt)
@@ -206,6 +214,8 @@ def make_machine(engine: str, scenario: Scenario,
             if request in self.engine.cache.ongoing_prefetch:
                 return
             self.prefetch(request, index, 0)
+            if request not in self.engine.cache.ongoing_prefetch:
+                return
             self.engine_refines_the_model()
             if run and self.drainable():
                 self.drain()

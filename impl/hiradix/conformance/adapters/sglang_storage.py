@@ -190,6 +190,12 @@ class SglangStorageAdapter(SglangAdapter):
             **self.avoid,
             "reset_with_storage_ops": "DEV-S9: reset() keeps ongoing_prefetch and "
                                       "ongoing_backup",
+            "detach_with_ended_transfers_queued": "DEV-S18: detach stops the I/O before "
+                                                  "the transfer of an ended prefetch "
+                                                  "returns its slots; they leak",
+            "prefetch_while_an_ended_transfer_of_the_request_is_queued":
+                "DEV-S19: the completion ack of the ended prefetch would end the new "
+                "one (acks are matched by request id)",
             "attach_with_pages_cached": "DEV-S16: pages inserted while detached carry no "
                                         "storage hash; a child hashed after attach is "
                                         "stored under its own tokens only",
@@ -269,6 +275,23 @@ class SglangStorageAdapter(SglangAdapter):
         return any(q is not None and not q.empty() for q in (
             c.prefetch_queue if self.attached else None, c.prefetch_buffer,
             c.prefetch_sync_queue, c.backup_queue if self.attached else None))
+
+    def ended_transfers(self) -> list[str]:
+        """The requests of transfers waiting in the I/O queue for a prefetch already
+        ended (by a poll or an abort): only their completion acks free their slots
+        (DEV-S18), and those acks name the request, not the operation (DEV-S19)."""
+        buffer = self.controller.prefetch_buffer
+        ended = []
+        for operation in [] if buffer is None else list(buffer.queue):
+            if operation is None:
+                continue
+            entry = self.cache.ongoing_prefetch.get(operation.request_id)
+            if entry is None or entry[2] is not operation:
+                ended.append(operation.request_id)
+        return ended
+
+    def ended_transfers_queued(self) -> bool:
+        return bool(self.ended_transfers())
 
     def drain_hits(self, count: int) -> None:
         """The scheduler's drain of ``count`` hit-query results (allocation), alone."""
