@@ -386,3 +386,45 @@ def test_dev18_a_split_of_a_loading_anchor_and_its_host_lock() -> None:
     assert {t: adapter._node(Key(t)).component_data[adapter.full].host_lock_ref
             for t in [(1,), (1, 2)]} == {(1,): 0, (1, 2): 0}
     adapter.close()
+
+
+# MLA pools and the page_first host layout (SGLang's page_first_direct), spec/07 7.1.
+LAYOUT_SCENARIOS = [Scenario(page_size=2, kv_layout="mla", eviction="lru"),
+                    Scenario(page_size=2, host_layout="page_first", eviction="lfu"),
+                    Scenario(page_size=1, kv_layout="mla", host_layout="page_first",
+                             eviction="fifo")]
+
+
+@pytest.mark.parametrize("scenario", LAYOUT_SCENARIOS, ids=lambda s: s.slug())
+def test_unified_radix_cache_with_mla_or_page_first_refines_the_model(
+        scenario: Scenario) -> None:
+    run_state_machine_as_test(make_differential(factory(ENGINE, scenario)), settings=bounded())
+
+
+@pytest.mark.parametrize("kv_layout", ["mha", "mla"])
+def test_host_kv_is_read_through_sglangs_page_first_layout(kv_layout: str) -> None:
+    from test_sglang_adapters import tamper_with_host_kv
+    scenario = Scenario(page_size=2, kv_layout=kv_layout, host_layout="page_first")  # type: ignore[arg-type]
+    machine = make_differential(factory(ENGINE, scenario))()
+    kind = "MLA" if kv_layout == "mla" else "MHA"
+    assert type(machine.engine.host).__name__ == f"{kind}TokenToKVPoolHost"
+    assert type(machine.engine.kv).__name__ == f"{kind}TokenToKVPool"
+    tamper_with_host_kv(machine, machine.engine.host, kv_layout)
+    machine.teardown()
+
+
+def test_dev3_dev14_write_back_counts_no_hits_and_backs_up_nothing_on_insert() -> None:
+    """spec/07 DEV-3 and DEV-14 in UnifiedRadixCache, run: under write_back a key
+    inserted twice keeps zero hits and nothing is backed up on insert; the unused
+    threshold is still 2. The adapter adopts hits under write_back for this reason."""
+    from test_sglang_adapters import _put
+    adapter = factory(ENGINE, Scenario(page_size=1, write_policy="write_back"))()
+    assert "hits" in adapter.adopted
+    _put(adapter, (1, 2), 1)
+    _put(adapter, (1, 2), 2)
+    pages = adapter.observe(initial(adapter.config)).pages
+    assert {p.hits for p in pages.values()} == {0}
+    assert all(p.host is None for p in pages.values())
+    assert not adapter.cache.ongoing_write_through
+    assert adapter.cache.write_through_threshold == 2
+    adapter.close()
