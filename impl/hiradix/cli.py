@@ -28,10 +28,13 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, probe, scenario_space
+from hiradix.conformance.bench import add_arguments as bench_arguments
+from hiradix.conformance.bench import main as bench_main
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
 from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.show import show_main
 from hiradix.conformance.storage_machine import STORAGE_SWARM_RULES, make_storage_machine
 from hiradix.conformance.tally import TimeUp
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
@@ -362,17 +365,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     check.add_argument("--reproducer", default=None, help="write the reproducer script here")
     check.add_argument("--trace", default=None,
                        help="on a failure, write the shrunk example as a JSONL trace here")
-    bench = sub.add_parser("bench", help="ours against SGLang 0.5.20 on serving workloads")
-    bench.add_argument("--page-sizes", type=lambda v: [int(x) for x in v.split(",")],
-                       default=[1, 16])
-    bench.add_argument("--scale", type=float, default=4.0,
-                       help="workload size; 4 (the default) is 5,200 requests per page "
-                            "size, about half a minute here")
-    bench.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="ours against SGLang's caches on serving workloads")
+    bench_arguments(bench)
     check.add_argument("--record", default=None,
                        help="after a clean run, write the last example as a JSONL trace here")
     replay_cmd = sub.add_parser("replay", help="check a JSONL trace against the model")
     replay_cmd.add_argument("path", help="the trace (spec/08-traces.md)")
+    sub.add_parser("show", add_help=False,
+                   help="draw a cache's tree by tier (text, or --svg FILE); "
+                        "`hiradix show --help` for its options")
     return parser.parse_args(argv)
 
 
@@ -481,11 +482,13 @@ def smoke(engine: str, version: str, scenario: Scenario) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:1] == ["show"]:  # its own parser: a trace path and --svg
+        return show_main(given[1:])
+    args = parse(given)
     if args.command == "replay":
         return replay(args.path)
     if args.command == "bench":
-        from hiradix.conformance.bench import main as bench_main
         return bench_main(args)
     try:
         args = validated(args)

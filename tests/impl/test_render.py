@@ -12,8 +12,9 @@ import torch
 from hiradix.cache import HiRadixCache
 from hiradix.clock import ManualClock
 from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.show import demo, replay_on_impl, show_main
 from hiradix.keys import RadixKey
-from hiradix.render import demo, render_svg, render_text, replay_on_impl, show_main, views
+from hiradix.render import render_svg, render_text, views
 from hiradix.storage import MemoryBackend
 from hiradix.storage.tier import StorageTier, TierSettings
 from hiradix.tree import TreeNode
