@@ -166,8 +166,6 @@ def test_a_page_repeated_within_one_free_or_release() -> None:
 
 # -- issue 17: tensors handed across the API are the other side's to reuse ---------------
 
-@pytest.mark.xfail(strict=True, reason="issue 17: init_load_back returns the tensor its copy "
-                                       "in flight and the loaded node hold (cache.py)")
 def test_the_caller_may_reuse_what_init_load_back_returned() -> None:
     # The machine's scribble rule found it: the caller writes into the returned slots
     # (its next batch's buffer) and the h2d copy in flight moved with them.
