@@ -369,8 +369,10 @@ class HiRadixCache:
 
     def _check_insert_slots(self, key: RadixKey, slots: torch.Tensor, aligned: int) -> None:
         """Whole pages in order (R7), and every slot is the cache's own slot at that
-        position or held by the caller (allocated and owned by no node). Vectorised:
-        O(key) tensor work, no tree scan."""
+        position or held by the caller (allocated and owned by no node). Vectorised, no
+        tree scan; ownership and duplicates are checked only where the slots are not the
+        cache's own (a node's slots are distinct and owned, so a caller's slot can equal
+        none of them), which keeps a long shared prefix cheap."""
         self._check_whole_pages(slots)
         reuse = torch.zeros(len(slots), dtype=torch.bool)
         start = 0
@@ -379,17 +381,21 @@ class HiRadixCache:
                 reuse[start:start + matched] = slots[start:start + matched] == \
                     node.device[:matched]
             start += matched
-        in_range = (slots >= 0) & (slots < self.device_pool.num_slots)
-        held = torch.zeros(len(slots), dtype=torch.bool)
-        safe = slots[in_range]
-        held[in_range] = self.device_pool.allocator.allocated(safe) & ~self._device_owned[safe]
-        bad = ~(reuse | held)
-        if bool(bad.any()):
-            position = int(bad.nonzero()[0])
+        positions = (~reuse).nonzero().flatten()
+        if not len(positions):
+            return
+        others = slots.index_select(0, positions)
+        in_range = (others >= 0) & (others < self.device_pool.num_slots)
+        held = torch.zeros(len(others), dtype=torch.bool)
+        safe = others[in_range]
+        held[in_range] = (self.device_pool.allocator.allocated(safe)
+                          & ~self._device_owned.index_select(0, safe))
+        if not bool(held.all()):
+            position = int(positions[int((~held).nonzero()[0])])
             raise InvalidArgument(f"slots[{position}]",
                                   f"slot {int(slots[position])} is neither held by the caller "
                                   "nor the cache's own slot for this position")
-        if torch.unique(slots).numel() != len(slots):
+        if torch.unique(others).numel() != len(others):
             raise InvalidArgument("slots", "holds a slot twice")
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
