@@ -296,22 +296,24 @@ class HiRadixCache:
         """The nodes along ``key`` (without splitting) and how many tokens of each match."""
         walked = []
         node, start = self.root, 0
-        tokens = key.tokens[:stop_at]
+        tokens = key.tokens
         while start < stop_at:
-            child = node.children.get((key.namespace, key.tokens[start:start + self.page_size]))
+            child = node.children.get((key.namespace, tokens[start:start + self.page_size]))
             if child is None:
                 break
-            matched = common_pages(child.tokens, tokens, start, self.page_size)
+            matched = common_pages(child.tokens, tokens, start, self.page_size, stop_at)
             walked.append((child, matched))
             if matched < len(child.tokens):
                 break
             node, start = child, start + matched
         return walked
 
-    def _descend(self, key: RadixKey, stop_at: int) -> list[TreeNode]:
-        """Like _walk, but split the last node where the key leaves it."""
+    def _descend(self, key: RadixKey, stop_at: int,
+                 walked: list[tuple[TreeNode, int]] | None = None) -> list[TreeNode]:
+        """Like _walk, but split the last node where the key leaves it. ``walked``: this
+        very walk, done before with nothing changed since (it saves a second walk)."""
         nodes = []
-        for child, matched in self._walk(key, stop_at):
+        for child, matched in self._walk(key, stop_at) if walked is None else walked:
             if matched < len(child.tokens):
                 child = split(child, matched, self.page_size)
                 self._refresh_around(child)
@@ -367,7 +369,8 @@ class HiRadixCache:
                                           "slots must be whole pages in order (spec/03, R7)")
         raise AssertionError("unreachable: the vectorised check and the loop disagree")
 
-    def _check_insert_slots(self, key: RadixKey, slots: torch.Tensor, aligned: int) -> None:
+    def _check_insert_slots(self, slots: torch.Tensor,
+                            walked: list[tuple[TreeNode, int]]) -> None:
         """Whole pages in order (R7), and every slot is the cache's own slot at that
         position or held by the caller (allocated and owned by no node). Vectorised, no
         tree scan; ownership and duplicates are checked only where the slots are not the
@@ -376,7 +379,7 @@ class HiRadixCache:
         self._check_whole_pages(slots)
         reuse = torch.zeros(len(slots), dtype=torch.bool)
         start = 0
-        for node, matched in self._walk(key, aligned):
+        for node, matched in walked:
             if node.device is not None:
                 reuse[start:start + matched] = slots[start:start + matched] == \
                     node.device[:matched]
@@ -416,13 +419,15 @@ class HiRadixCache:
             raise InvalidArgument("chunked", f"must be a bool, got {chunked!r}")
         aligned = key.aligned_length(self.page_size)
         self._require_counted_from(counted_from, aligned)
-        self._check_insert_slots(key, slots, aligned)
+        walked = self._walk(key, aligned)
+        self._check_insert_slots(slots, walked)
         now = self._now()
         counted = aligned if chunked else counted_from
         if 0 < counted < aligned:
             # Hits are per node: put a node boundary at ``counted`` (splits are unobservable).
             self._descend(key, counted)
-        touched = self._descend(key, aligned)
+            walked = self._walk(key, aligned)  # the split changed the path
+        touched = self._descend(key, aligned, walked)
         counting: list[TreeNode] = []  # the nodes this insert counts: those from ``counted`` on
         prefix = 0
         start = 0

@@ -100,12 +100,13 @@ def child_key(namespace: str | None, tokens: tuple[int, ...], start: int,
 
 
 def common_pages(segment: tuple[int, ...], tokens: tuple[int, ...], start: int,
-                 page_size: int) -> int:
-    """Tokens (a multiple of ``page_size``) that ``segment`` shares with ``tokens[start:]``.
+                 page_size: int, stop: int | None = None) -> int:
+    """Tokens (a multiple of ``page_size``) that ``segment`` shares with
+    ``tokens[start:stop]`` (``stop`` bounds the key without copying it).
 
     O(log pages) slice comparisons, each done in C.
     """
-    limit = min(len(segment), len(tokens) - start)
+    limit = min(len(segment), (len(tokens) if stop is None else stop) - start)
     limit -= limit % page_size
     if tokens[start:start + limit] == segment[:limit]:
         return limit
