@@ -11,6 +11,7 @@ runnable script (and writes it with ``--reproducer``) and exits 1.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import random
 import sys
@@ -49,7 +50,12 @@ COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance mach
 DIFFERENTIAL_POLICIES = ("write_through", "write_through_selective")
 
 
-VLLM_ENGINES = ("vllm", "vllm-offload")
+# Engines whose API needs a machine of its own (vLLM's request-level allocate/free;
+# SGLang's storage tier): engine -> the module whose make_machine(engine, scenario, tally)
+# builds it.
+OWN_MACHINES = {"vllm": "hiradix.conformance.vllm_machine",
+                "vllm-offload": "hiradix.conformance.vllm_machine",
+                "sglang-storage": "hiradix.conformance.sglang_storage_machine"}
 STORAGE = (None, "memory", "file")  # ours: no tier, or a tier over this backend
 
 
@@ -80,10 +86,10 @@ def machine_for(engine: str, scenario: Scenario,
         if scenario.storage is not None:
             return make_storage_machine(scenario, tally, tally.faults)
         return make_machine(scenario, tally)
-    if engine in VLLM_ENGINES:
-        # vLLM's API (request-level allocate/free) needs a machine of its own.
-        from hiradix.conformance.vllm_machine import make_machine as make_vllm_machine
-        return make_vllm_machine(engine, scenario, tally)
+    if engine in OWN_MACHINES:  # imported here: they import their engine's package
+        own: type[RuleBasedStateMachine] = importlib.import_module(
+            OWN_MACHINES[engine]).make_machine(engine, scenario, tally)
+        return own
     return make_differential(factory(engine, scenario), tally)
 
 
@@ -101,9 +107,9 @@ def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled"
                   "from hiradix.conformance.scenario import Scenario", "",
                   f"Machine = make_machine({scenario!r})", "state = Machine()",
                   "state.refines_the_model()"]
-    elif engine in VLLM_ENGINES:
+    elif engine in OWN_MACHINES:
         header = ["from hiradix.conformance.scenario import Scenario",
-                  "from hiradix.conformance.vllm_machine import make_machine", "",
+                  f"from {OWN_MACHINES[engine]} import make_machine", "",
                   f"Machine = make_machine({engine!r}, {scenario!r})", "state = Machine()",
                   "state.engine_refines_the_model()"]
     else:
