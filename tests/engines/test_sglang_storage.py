@@ -259,3 +259,79 @@ def test_a_double_free_of_prefetch_slots_is_caught(state: Any,
     monkeypatch.setattr(cache, "_handle_prefetch_result", handle)
     with pytest.raises(AssertionError, match=r"(?i)double-free|host_free|host"):
         round_trip(state, (1, 2, 3), run=True)
+
+
+def stored_then_forgotten(state: Any) -> None:
+    """Serve (1, 2), store it, then evict it from both tiers: storage holds (1), (1, 2)."""
+    state.request((1, 2), None, 0, False, 0, False)
+    state.writing_check()
+    state.backup()
+    state.drain()
+    state.evict_both(24)
+    state.evict_host(24)
+    state.engine_refines_the_model()
+    assert not state.model.pages and state.engine.stored_pages() == {
+        Key((1,), None), Key((1, 2), None)}
+
+
+def test_dev_s20_a_backup_queued_across_a_clear_rewrites_pages_stored_at_issue(
+        state: Any) -> None:
+    """DEV-S20: (1, 2, 3) is computed again; SGLang's backup covers the whole node, the
+    spec's write only (1, 2, 3), which storage lacked at issue. A clear before the
+    backup runs: SGLang stores all three pages again, the spec one."""
+    stored_then_forgotten(state)
+    state.request((1, 2, 3), None, 0, False, 0, False)
+    state.writing_check()
+    assert [w.pages for w in state.model.storage.writes] == [(Key((1, 2, 3), None),)]
+    # What the clear rule steers around: both sides clear with the backup queued.
+    assert state.engine.clear() == state.sstep("clear_storage", ops.clear_storage)
+    state.backup()
+    state.engine.learn(Key((1, 2, 3), None))
+    assert state.engine.stored_pages() == {Key((1,), None), Key((1, 2), None),
+                                           Key((1, 2, 3), None)}
+    with pytest.raises(AssertionError, match=r"stored pages: only SGLang \[Key\(tokens=\(1, 2\).*"
+                                                r"Key\(tokens=\(1,\).*only model \[\]"):
+        state.engine_refines_the_model()
+
+
+def test_the_clear_rule_runs_queued_backups_first(state: Any) -> None:
+    stored_then_forgotten(state)
+    state.request((1, 2, 3), None, 0, False, 0, False)
+    state.writing_check()
+    state.clear(15)
+    state.engine_refines_the_model()
+    assert state.counts.ops["clear after the queued backups ran (DEV-S20)"] == 1
+    assert not state.engine.stored_pages()
+
+
+def prefetch_over_a_device_only_page(state: Any) -> None:
+    """r0 prefetches (1, 2) from the root; meanwhile a chunked request (no backup)
+    caches (1,) on device only."""
+    stored_then_forgotten(state)
+    state.prefetch("r0", 0, 0)
+    assert "r0" in state.engine.cache.ongoing_prefetch
+    state.request((1, 3), None, 0, True, 0, False)
+    state.engine_refines_the_model()
+    assert state.model.pages[Key((1,), None)].host is None
+    assert state.hung_below_device_only() == ["r0"]
+
+
+def test_dev_s5_sglang_hangs_fetched_pages_below_a_device_only_page(state: Any) -> None:
+    """DEV-S5: the drain that meets r0's finished transfer walks through the device-only
+    (1,) and hangs (1, 2) below it as a host-only node; the spec stops at (1,)."""
+    prefetch_over_a_device_only_page(state)
+    state.engine.pump_fetch()
+    state.engine.drain()  # what the drain rule steers around
+    (node,) = [n for n in state.engine._nodes()
+               if state.engine._prefix(n) == Key((1, 2), None)]
+    assert node.value is None and node.host_value is not None
+    assert node.parent.host_value is None  # below a page with no host copy
+
+
+def test_the_drain_rule_aborts_a_prefetch_that_would_hang_below_a_device_only_page(
+        state: Any) -> None:
+    prefetch_over_a_device_only_page(state)
+    state.drain()
+    state.engine_refines_the_model()
+    assert not state.engine.cache.ongoing_prefetch
+    assert Key((1, 2), None) not in state.model.pages

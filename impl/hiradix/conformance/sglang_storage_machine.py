@@ -116,6 +116,37 @@ def make_machine(engine: str, scenario: Scenario,
             ps = self.model.config.page_size
             return Key(base + key.tokens[matched:matched + pages * ps], key.namespace)
 
+        def serve(self, key: Key, dt: int, chunked: bool, priority: int, keep_lock: bool,
+                  counted_from: Key | None = None) -> None:
+            """Serve ``key`` unless its backup might find host room for part of its run
+            only: SGLang backs up node by node and keeps the nodes that fit, the spec
+            backs up the run all or nothing (DEV-7). Storage makes this reachable: the
+            slots prefetches hold are neither free nor evictable."""
+            pages, ps = self.model.pages, self.model.config.page_size
+            path = [Key(key.tokens[:end], key.namespace)
+                    for end in range(ps, len(key.tokens) + 1, ps)]
+            off_device = sum(k not in pages or pages[k].device is None for k in path)
+            off_host = sum(k not in pages or pages[k].host is None for k in path)
+            # A key the device cannot hold is not inserted (its alloc fails): no backup.
+            if (off_device * ps <= self.model.config.device_slots
+                    and self.host_room(path) < off_host * ps):
+                counts.ops["request not served: host room short of its backup run "
+                           "(DEV-7)"] += 1
+                return
+            super().serve(key, dt, chunked, priority, keep_lock, counted_from)
+
+        def host_room(self, path: list[Key]) -> int:
+            """Host slots free, or freed by evicting every host-only page that can go
+            (no lock, no protection, not on ``path``, every child gone too)."""
+            pages = self.model.pages
+            ps = self.model.config.page_size
+            keep = {k for k, p in pages.items() if p.device is not None or p.host is None
+                    or p.lock or p.host_protect or k in path}
+            for k in sorted(pages, key=lambda k: -len(k.tokens)):  # children first
+                if k in keep and len(k.tokens) > ps:
+                    keep.add(Key(k.tokens[:-ps], k.namespace))
+            return len(self.model.host_free) + ps * sum(k not in keep for k in pages)
+
         # -- storage rules ------------------------------------------------------------
 
         @rule(settings=st.data(), go=st.integers(0, 3))
@@ -149,8 +180,16 @@ def make_machine(engine: str, scenario: Scenario,
         @precondition(lambda self: self.attached())
         @rule(go=st.integers(0, 15))
         def clear(self, go: int) -> None:
-            if go == 15:
-                assert self.engine.clear() == self.sstep("clear_storage", ops.clear_storage)
+            if go != 15:
+                return
+            if not self.engine.controller.backup_queue.empty():
+                # DEV-S20: a queued SGLang backup rewrites every page of its node that
+                # the clear removed; the spec's write holds only the pages lacking at
+                # issue. The backups run first.
+                counts.ops["clear after the queued backups ran (DEV-S20)"] += 1
+                self.backup()
+                self.engine_refines_the_model()
+            assert self.engine.clear() == self.sstep("clear_storage", ops.clear_storage)
 
         @precondition(lambda self: self.attached() and bool(self.seen))
         @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63), dt=st.integers(0, 2))
@@ -278,10 +317,26 @@ def make_machine(engine: str, scenario: Scenario,
                                      or not c.host_mem_release_queue.empty())) or (
                 storage is not None and bool(storage.release_queue or storage.writes))
 
+        def hung_below_device_only(self) -> list[str]:
+            """The prefetches whose fetched pages would run on below a cached page with
+            no host copy: SGLang hangs the rest there, the spec stops (DEV-S5)."""
+            requests = []
+            for request, view in self.engine.prefetches().items():
+                if any(k in self.model.pages and self.model.pages[k].host is None
+                       for k in view.pages[:-1]):
+                    requests.append(request)
+            return requests
+
         @precondition(lambda self: self.attached() and self.drainable())
         @rule()
         def drain(self) -> None:
             """The transfers run, then the scheduler drains every control queue."""
+            for request in self.hung_below_device_only():
+                # DEV-S5: the request is aborted before its transfer can land.
+                counts.ops["prefetch aborted before the drain: its pages run below a "
+                           "device-only page (DEV-S5)"] += 1
+                self.abort(request)
+                self.engine_refines_the_model()
             engine = self.engine
             engine.pump_fetch()
             cache = engine.cache

@@ -199,6 +199,15 @@ class SglangStorageAdapter(SglangAdapter):
             "attach_with_pages_cached": "DEV-S16: pages inserted while detached carry no "
                                         "storage hash; a child hashed after attach is "
                                         "stored under its own tokens only",
+            "clear_with_backups_queued": "DEV-S20: a queued backup rewrites every page of "
+                                         "its node the clear removed (the spec's write "
+                                         "holds the pages lacking at issue)",
+            "fetch_below_a_device_only_page": "DEV-S5: SGLang hangs fetched pages below a "
+                                              "cached page without a host copy; the "
+                                              "prefetch is aborted before such a drain",
+            "backup_run_partly_fitting_the_host": "DEV-7: SGLang backs up node by node and "
+                                                  "keeps the nodes that fit; a request "
+                                                  "whose run may not fit is not served",
         }
 
     # -- the storage calls ------------------------------------------------------------
