@@ -76,7 +76,7 @@ def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:
     """A run that never fetches, backs up, polls, aborts or detaches would pass vacuously."""
     tally = Tally()
     run_state_machine_as_test(machine_class(Scenario(page_size=1), tally),
-                              settings=settings(bounded(), max_examples=25))
+                              settings=settings(bounded(), max_examples=100))
     for op in ("prefetch_from_storage", "io_prefetch_query", "io_prefetch_fetch",
                "check_prefetch_progress", "io_storage_write", "drain_storage_queues",
                "detach_storage", "attach_storage"):

@@ -147,6 +147,28 @@ def make_machine(engine: str, scenario: Scenario,
                     keep.add(Key(k.tokens[:-ps], k.namespace))
             return len(self.model.host_free) + ps * sum(k not in keep for k in pages)
 
+        @precondition(lambda self: any(t.direction == "d2h" for t in self.model.pending))
+        @rule()
+        def writing_check(self) -> None:
+            """The acknowledgements; then, where SGLang issued a backup to storage that
+            the spec does not (its pages all stored already), the backups run and their
+            acknowledgements are drained at once: until then SGLang protects those pages
+            on host and its evictions pass them over (DEV-S20)."""
+            super().writing_check()
+            writes = len(self.model.storage.writes) if self.model.storage is not None else 0
+            if not self.attached() or len(self.engine.cache.ongoing_backup) <= writes:
+                return
+            counts.ops["backups of stored pages run and acknowledged at once "
+                       "(DEV-S20)"] += 1
+            self.engine_refines_the_model()
+            self.backup()
+            self.engine_refines_the_model()
+            self.engine.cache._drain_storage_control_queues_impl(
+                n_storage_hit=0, n_ack_prefetch=0, n_backup=None, n_release=0,
+                log_metrics=False)
+            self.sstep("drain_storage_queues", ops.drain_storage_queues, revokes=0,
+                       releases=0)
+
         # -- storage rules ------------------------------------------------------------
 
         @rule(settings=st.data(), go=st.integers(0, 3))

@@ -202,6 +202,10 @@ class SglangStorageAdapter(SglangAdapter):
             "clear_with_backups_queued": "DEV-S20: a queued backup rewrites every page of "
                                          "its node the clear removed (the spec's write "
                                          "holds the pages lacking at issue)",
+            "backup_of_stored_pages_outstanding": "DEV-S20: SGLang protects the node of a "
+                                                  "backup of pages all stored (the spec "
+                                                  "issues no write); it runs and is "
+                                                  "acknowledged at once",
             "fetch_below_a_device_only_page": "DEV-S5: SGLang hangs fetched pages below a "
                                               "cached page without a host copy; the "
                                               "prefetch is aborted before such a drain",
