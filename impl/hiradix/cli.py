@@ -34,6 +34,7 @@ from hiradix.conformance.bench import main as bench_main
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
+from hiradix.conformance.plots import PlotsUnavailable, pyplot, write_check_report
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.show import show_main
 from hiradix.conformance.storage_machine import STORAGE_SWARM_RULES, make_storage_machine
@@ -225,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
     if args.require_coverage and missed:
         print(f"--require-coverage: never reached: {', '.join(missed)}", flush=True)
         return 1
+    if args.report:
+        written = write_check_report(tally, args.report, EXERCISED, COVERAGE)
+        print(f"(report: {', '.join(map(str, written))})", flush=True)
     if args.record:
         config = tally.last_config or scenarios[0].model_config()
         trace.write(args.record, config, engine_label(args.engine, args.version), tally.last_trace)
@@ -359,6 +363,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "Python [Rust] tree core; vllm[-offload]: vLLM's prefix cache "
                             "[and CPU offload])")
     check.add_argument("--device", default="cpu")
+    check.add_argument("--report", default=None, metavar="DIR",
+                       help="write plots here: hit rate per tier over the requests served, "
+                            "coverage per invariant, state and rule (needs matplotlib: "
+                            "pip install 'hiradix[plots]')")
     check.add_argument("--require-coverage", action="store_true",
                        help="fail (exit 1) if an invariant had nothing to check or a "
                             "listed state was never reached")
@@ -432,6 +440,11 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
     ``UsageError`` for anything that cannot run, before any example starts."""
     _positive("--page-sizes", args.page_sizes)
     _positive("--seconds", [args.seconds])
+    if args.report is not None:
+        try:
+            pyplot()
+        except PlotsUnavailable as missing:
+            raise UsageError(f"--report: {missing}") from None
     _positive("--steps", [args.steps])
     _positive("--batch", [args.batch])
     if args.examples is not None:

@@ -45,6 +45,7 @@ from hiradix.cache import HiRadixCache
 from hiradix.clock import CountingClock
 from hiradix.config import CacheConfig
 from hiradix.conformance.adapters.base import EngineUnavailable
+from hiradix.conformance.plots import PlotsUnavailable, pyplot, write_bench_plot
 from hiradix.device_pool import DeviceKVPool
 from hiradix.host_pool import HostKVPool
 from hiradix.keys import RadixKey
@@ -453,6 +454,14 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return f"{theirs / ours:.2f}" if ours and theirs else "n/a"
 
 
+def medians(rows: list[list[str]]) -> list[tuple[int, str, str, float, float]]:
+    """The timed rows of ``table``'s input as (page size, operation, engine, ours median
+    µs, theirs median µs), for ``plots.write_bench_plot``."""
+    timed = [r for r in rows if not r[1].startswith("metadata")]
+    return [(int(r[0]), r[1], r[2], float(r[4].replace(",", "")),
+             float(r[6].replace(",", ""))) for r in timed]
+
+
 def table(rows: list[list[str]]) -> Iterator[str]:
     head = ["page", "operation", "vs", "ours mean µs", "ours median µs", "theirs mean µs",
             "theirs median µs", "speed-up (mean)", "speed-up (median)"]
@@ -476,6 +485,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached tokens the large workload reaches (default 1 Mi)")
     parser.add_argument("--large-only", action="store_true",
                         help="only the scaling tables (implies --large)")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="also draw the table's medians, ours beside each engine, as a "
+                             "PNG (needs matplotlib: pip install 'hiradix[plots]')")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch's intra-op threads for every engine (default: torch's "
                              "own); on a loaded machine a parallel indexing op can wait "
@@ -499,6 +511,12 @@ def main(args: argparse.Namespace) -> int:
               "`.venv-sglang/bin/hiradix bench` or `.venv-sglang23/bin/hiradix bench`",
               file=sys.stderr)
         return 2
+    if args.plot is not None:
+        try:
+            pyplot()
+        except PlotsUnavailable as missing:
+            print(f"hiradix bench --plot: {missing}", file=sys.stderr)
+            return 2
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
     started = time.perf_counter()
@@ -514,6 +532,8 @@ def main(args: argparse.Namespace) -> int:
               "means move with scheduler stalls; every engine in the same layout: "
               f"{KV_LAYOUT.upper()} device pools, {HOST_LAYOUT} host pools; metadata: "
               "ratio is theirs/ours, above 1 means ours is smaller)")
+        if args.plot is not None:
+            print(f"(plot: {write_bench_plot(medians(rows), args.plot)})")
     if args.large or args.large_only:
         from hiradix.conformance.bench_scale import report
         report(args.page_sizes[-1], args.large_tokens, args.seed)

@@ -388,6 +388,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             got = self.cache.match_prefix(rkey)
             want = self.step("match_prefix", ops.match_prefix, key, now)
             self.same_match(got, want)  # type: ignore[arg-type]
+            self.counts.hits.append((len(tokens), len(want.device_slots),  # type: ignore[attr-defined]
+                                     want.host_hit_tokens))  # type: ignore[attr-defined]
             if want.host_hit_tokens and got.last_host_node is not self.cache.root:  # type: ignore[attr-defined]
                 self.load_both(got.last_host_node, quota)
                 got = self.cache.match_prefix(rkey)

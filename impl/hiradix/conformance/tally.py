@@ -32,6 +32,9 @@ class Tally:
     states: Counter[str] = field(default_factory=Counter)  # steps per coverage.COVERAGE
     swarm: Counter[str] = field(default_factory=Counter)  # examples per swarm draw
     rules: Counter[str] = field(default_factory=Counter)  # executions per machine rule
+    # Per request served, in order: (tokens asked, device hit tokens, host hit tokens), for
+    # ``hiradix check --report`` (hit rate over time per tier).
+    hits: list[tuple[int, int, int]] = field(default_factory=list)
     deadline: float | None = None  # time.monotonic() after which no example begins
 
     def begin_example(self) -> None:
