@@ -109,6 +109,16 @@ def make_machine(engine: str, scenario: Scenario,
             node = self.engine._node(want.last_host_page)
             return want.last_host_page, node, len(want.device_slots) + want.host_hit_tokens
 
+        def protect(self, page: Key | None, delta: int) -> None:
+            """Add ``delta`` to the host protection of ``page`` (a host page) in the
+            model's state, around a step SGLang takes with the page protected."""
+            record = None if page is None else self.model.pages.get(page)
+            if page is None or record is None or record.host is None:
+                return
+            self.model = dataclasses.replace(self.model, pages={
+                **self.model.pages,
+                page: dataclasses.replace(record, host_protect=record.host_protect + delta)})
+
         def prefetch_key(self, key: Key, anchor: Key | None, matched: int, pages: int) -> Key:
             """The key of the pages a prefetch fetches: below ``anchor``, the request's
             tokens past the match (SGLang hashes them chained onto the anchor's)."""
@@ -231,9 +241,13 @@ def make_machine(engine: str, scenario: Scenario,
             after = self.observe(adopt=False)
             ps = self.model.config.page_size
             if infer.left_host(before, after):
-                # DEV-S7: SGLang made host room for all the hits.
+                # DEV-S7: SGLang made host room for all the hits, with the anchor already
+                # protected (DEV-S14: issue protects it, the hit drain evicts): the model
+                # evicts with the anchor's protection counted for that step only.
+                self.protect(anchor, +1)
                 victims = infer.host_victims(self.model, before, after, hits * ps)
                 self.step("evict_host", ops.evict_host, hits * ps, victims)
+                self.protect(anchor, -1)
             pkey = self.prefetch_key(key, anchor, matched, hits)
             self.engine.learn(pkey)
             slots = None
