@@ -44,10 +44,9 @@ from hiradix.conformance.adapters.sglang_storage import (
     factory,
 )
 from hiradix.conformance.differential import make_differential, namespaces, tokens
-from hiradix.conformance.machine import EXERCISED, describe_difference
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.tally import Tally
-from hiradix_model import Key, State, StorageSettings, ops, violations
+from hiradix_model import Key, State, StorageSettings, ops
 
 REQUESTS = ("r0", "r1", "r2")
 IDENTITY = ("hiradix",)
@@ -486,20 +485,10 @@ def make_machine(engine: str, scenario: Scenario,
 
         @invariant()
         def engine_refines_the_model(self) -> None:
-            seen = self.mapped(self.observe())
-            found = violations(self.model)
-            assert not found, f"the model broke its own invariants: {found}"
-            if seen != self.model:
-                raise AssertionError(f"{self.engine.name} and the model disagree:\n"
-                                     + describe_difference(seen, self.model))
-            broken = violations(seen)
-            assert not broken, f"{self.engine.name} breaks {broken}"
+            self.compare(self.mapped(self.observe()))
             problems = self.storage_differences()
             assert not problems, "storage tier: " + "; ".join(problems)
-            counts.checks += 1
-            for spec_id, busy in EXERCISED.items():
-                if busy(self.model):
-                    counts.exercised[spec_id] += 1
+            self.tally_step()  # counts coverage states too
 
     SglangStorage.__name__ = f"SglangStorage_{scenario.slug()}"
     return SglangStorage
