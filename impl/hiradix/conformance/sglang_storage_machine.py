@@ -413,9 +413,7 @@ def make_machine(engine: str, scenario: Scenario,
         @rule(go=st.integers(0, 15))
         def reset(self, go: int) -> None:
             if go == 0:
-                self.engine.reset()
-                self.step("reset", ops.reset)
-                self.caller_locks.clear()
+                self.do_reset()
 
         # -- after every step -----------------------------------------------------------
 
