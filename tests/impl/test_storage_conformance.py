@@ -3,15 +3,18 @@ the Hypothesis profile, with faults injected into the backend; faults are tallie
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from hiradix.conformance.coverage import THREADED_IO_STEP
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.storage_machine import make_storage_machine
 from hiradix.conformance.tally import Tally
+from hiradix.storage import ControlledBackend, MemoryBackend, StorageError
 from hiradix.storage.hashing import page_hashes
 from hiradix_model import Key
 
@@ -46,7 +49,7 @@ def test_the_runs_exercised_storage_and_faults() -> None:
     assert sum(FAULTS.values()) > 0
     # Issue 15: the rare states the swarm, the small hosts and the short timeouts reach.
     for state in ("host full", "host pages all protected", "prefetch in flight",
-                  "storage write in flight", "branching host-only subtree"):
+                  "storage write in flight", "branching host-only subtree", THREADED_IO_STEP):
         assert TALLY.states[state] > 0, (state, dict(TALLY.states))
     SUMMARY.append(f"impl storage conformance: {TALLY.examples} examples, {TALLY.steps} "
                    f"steps, {TALLY.checks} checks; faults "
@@ -78,3 +81,90 @@ def test_a_faulty_fetch_is_a_step_of_the_machine(fault: str) -> None:
     assert machine.backend.inner.has_page(first_hash) is kept
     assert machine.backend.metrics.corrupt == (not kept)
     machine.teardown()
+
+
+# A swarm seed that draws threaded I/O, the scenario's host, the best_effort policy with
+# no threshold and no rule off (checked below, so that a change of the draws shows).
+THREADED_SEED = 36
+
+
+def threaded_machine(tally: Tally) -> object:
+    machine = make_storage_machine(Scenario(), tally, Counter())()
+    machine.swarm(seed=THREADED_SEED)
+    assert machine.threaded and not machine.off, (machine.threaded, machine.off)
+    assert machine.tier.io is not None and all(t.is_alive() for t in machine.tier.io.threads)
+    return machine
+
+
+def test_threaded_io_is_stepped_through_the_gate() -> None:
+    """A round trip through storage on the I/O threads: every backend call waits at the
+    gate until the machine lets it through, the results are reported as they come, the
+    model agrees after every step, and teardown joins the threads."""
+    tally = Tally()
+    machine = threaded_machine(tally)
+    machine.cycle(request="r0", index=0, evict=24, use_anchor=False, dt=0, run=True,
+                  fresh=(TOKENS, None), fetch_fault=None)
+    machine.refines_the_model()
+    assert tally.ops["io_prefetch_fetch"] == 1 and tally.ops["io_storage_write"] >= 1, \
+        dict(tally.ops)
+    assert tally.states[THREADED_IO_STEP] >= 1, dict(tally.states)
+    assert machine.tier.metrics.prefetch_tokens_inserted == len(TOKENS)
+    threads = machine.tier.io.threads
+    machine.teardown()
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_threaded_reset_and_partial_runs_do_not_hang() -> None:
+    """Writes left waiting at the gate, one result let through (``limit``), then reset
+    with the rest still waiting: the waiting calls are refused, the old threads joined,
+    and the model agrees after each step."""
+    tally = Tally()
+    machine = threaded_machine(tally)
+    for tokens in (TOKENS, (2, 3, 1, 2, 3, 1)):
+        machine.request(tokens, None, dt=0, chunked=False, priority=0, keep_lock=False,
+                        quota=None)
+        machine.refines_the_model()
+    machine.writing_check()  # nothing acknowledged yet: the copies are in flight
+    machine.finish_copies("d2h", 3)
+    machine.writing_check()  # S-R1: the backups go to the gate
+    machine.refines_the_model()
+    assert machine.backend.waiting("set") == 1
+    machine.run_io(limit=1)
+    machine.refines_the_model()
+    old = machine.tier.io
+    machine.reset(0)
+    machine.refines_the_model()
+    assert not any(t.is_alive() for t in old.threads)
+    assert machine.backend.waiting("set") == 0 and not machine.outstanding
+    machine.teardown()
+
+
+PAGE = "0" * 64
+
+
+def test_a_call_never_let_through_fails_naming_the_wait() -> None:
+    """The gate's safety net: a call from another thread that is never let through
+    fails after the timeout, and a refused one at once; the closing thread's own calls
+    pass."""
+    backend = ControlledBackend(MemoryBackend())
+    backend.close_gate(0.05)
+    assert backend.exists([PAGE]) == 0  # this thread closed the gate: it passes
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            backend.exists([PAGE])
+        except StorageError as error:
+            errors.append(error)
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(5)
+    assert len(errors) == 1 and "not let through within 0.05 s" in str(errors[0]), errors
+    backend.close_gate(5.0)
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert backend.wait_at_gate(["exists"], 5.0)
+    backend.refuse(True)
+    thread.join(5)
+    assert len(errors) == 2 and "refused" in str(errors[1]), errors
+    assert backend.waiting("exists") == 0

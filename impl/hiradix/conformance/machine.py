@@ -533,10 +533,14 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
         @rule(go=st.integers(0, 15))
         def reset(self, go: int) -> None:
             if go == 0:
-                self.cache.reset()
+                self.reset_cache()
                 self.step("reset", ops.reset)
                 self.caller_locks.clear()
                 self.holdings.clear()
+
+        def reset_cache(self) -> None:
+            """The implementation's reset; the storage machine stops its I/O threads."""
+            self.cache.reset()
 
         # -- caller slots laid out other than whole pages in order (spec/03, R7) ---------
 

@@ -1,8 +1,12 @@
 """The conformance state machine of the storage tier (spec/09): impl and model in step.
 
 It extends the two-tier machine (``machine.make_machine``) with a ``StorageTier`` over a
-``ControlledBackend`` (a memory backend with injected faults) and a synchronous
-``StorageIO``, so the test decides when I/O happens. Every storage rule issues the
+``ControlledBackend`` (a memory backend with injected faults) and a ``StorageIO`` that is
+synchronous, or, in a third of the examples (the swarm's ``threaded`` draw), threaded
+behind the backend's gate: the I/O threads run, but each backend call waits until the
+machine lets it through, so the machine still decides when I/O happens and when results
+become visible to the tier's polls (``run_threaded``, ``settle_io``). Every wait is
+bounded and fails naming what it waited for. Every storage rule issues the
 operation to the tier, turns the tier's choices (reserved slots, host victims, hit
 counts, pages landed or written, faults) into the model's choice arguments, and applies
 the model step. After every step the abstraction of cache and tier (``abstraction`` and
@@ -21,6 +25,7 @@ import dataclasses
 import random
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -35,7 +40,7 @@ from hypothesis.stateful import (
 from hiradix.checker import failures
 from hiradix.conformance import machine
 from hiradix.conformance.abstraction import abstract
-from hiradix.conformance.coverage import tally_states
+from hiradix.conformance.coverage import THREADED_IO_STEP, tally_states
 from hiradix.conformance.machine import (
     SWARM_RULES,
     describe_difference,
@@ -50,8 +55,10 @@ from hiradix.errors import ForeignNode
 from hiradix.keys import RadixKey
 from hiradix.storage import ControlledBackend, Fault, MemoryBackend, StorageArgumentError
 from hiradix.storage.backend import StorageBackend
+from hiradix.storage.controlled import Operation
 from hiradix.storage.file import FileBackend
 from hiradix.storage.hashing import page_hashes
+from hiradix.storage.io import KINDS, BackupResult, Kind, PrefetchResult
 from hiradix.storage.tier import StorageTier, TierSettings
 from hiradix.transfer import ControlledCopyEngine
 from hiradix.tree import TreeNode
@@ -97,6 +104,13 @@ STORAGE_SWARM_RULES: tuple[str, ...] = (
     "store", "cycle", "squeeze", "run_io", "progress", "terminate", "abort", "pop_loaded",
     "drain")
 ANCHOR_MISUSE = ("device only", "not on the key", "removed")
+# Threaded I/O: the backend calls each I/O thread makes (the gate tells them apart by
+# operation), and the bounds on every wait (a thread that never comes fails the step).
+GATED: dict[Kind, tuple[Operation, ...]] = {"prefetch": ("exists", "get"),
+                                            "backup": ("set",)}
+IO_WAIT_S = 10.0
+GATE_TIMEOUT_S = 20.0
+THREADED_ODDS = 1 / 3
 
 
 def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
@@ -121,6 +135,12 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             self.settings: TierSettings | None = None
             self.names: dict[str, Key] = {}
             self.known: list[TreeNode] = []  # nodes seen by bad_anchor, some removed since
+            self.threaded = False
+            # Threaded I/O: operations issued (tier ids) and not yet answered, by kind;
+            # ids below the watermark have been looked at.
+            self.outstanding: dict[int, Kind] = {}
+            self.watermark = 0
+            self.io_reported = False  # a threaded result was reported since the last check
             self.attach(TierSettings(prefetch_threshold=0, prefetch_token_limit=100))
 
         def configure(self, rng: random.Random) -> None:
@@ -128,14 +148,21 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             cache, model and tier."""
             host_pages = self.choose(rng, SWARM_RULES + STORAGE_SWARM_RULES)
             settings = first_settings(rng)
+            self.threaded = rng.random() < THREADED_ODDS  # drawn last: older seeds replay
             self.counts.swarm[f"first policy: {settings.prefetch_policy}"] += 1
+            self.counts.swarm[f"I/O: {'threaded' if self.threaded else 'synchronous'}"] += 1
             self.tier.detach()
             self.reshape(dataclasses.replace(self.scenario, host_pages=host_pages))
             self.tier = StorageTier(self.cache)
+            self.outstanding, self.watermark = {}, self.tier.state.next_id
+            if self.threaded:
+                self.backend.close_gate(GATE_TIMEOUT_S)
             self.settings = None
             self.attach(settings)
 
         def teardown(self) -> None:
+            if self.threaded:
+                self.stop_threads()
             for operation in FAULTS:  # injected but never taken by a batch call
                 injected[f"{operation}:untaken"] += self.backend.queued_faults(
                     operation)  # type: ignore[arg-type]
@@ -192,6 +219,97 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                           page_hashes(list(tokens[:size]), size, identity, namespace)[0])]
             return stored[index % len(stored)] if stored else index
 
+        # -- threaded I/O behind the gate ----------------------------------------------
+
+        def stop_threads(self) -> None:
+            """Shut the I/O down, its threads joined: the calls waiting at the gate are
+            refused (a call refused there has touched no page and taken no fault)."""
+            self.backend.refuse(True)
+            try:
+                io = self.tier.io
+                if io is not None:
+                    io.shutdown()
+            finally:
+                self.backend.refuse(False)
+
+        def reset_cache(self) -> None:
+            """9.4 reset, which stops the I/O (its results are discarded): threaded, the
+            calls waiting at the gate are refused so that the shutdown's join returns,
+            as the synchronous I/O's queued operations end before any page."""
+            self.backend.refuse(self.threaded)
+            try:
+                super().reset_cache()
+            finally:
+                self.backend.refuse(False)
+            self.observe()
+            self.outstanding.clear()
+
+        def observe(self) -> None:
+            """Note the operations issued since the last look: an id the tier gave a
+            write is a backup (a write stays until its result is taken), else a prefetch."""
+            issued = self.tier.state.next_id
+            for op_id in range(self.watermark, issued):
+                self.outstanding[op_id] = ("backup" if op_id in self.tier.state.writes
+                                           else "prefetch")
+            self.watermark = issued
+
+        def pending(self, kind: Kind) -> bool:
+            return kind in self.outstanding.values()
+
+        def collect(self) -> int:
+            """Report the results the threads posted so far; how many."""
+            io = self.tier.io
+            assert io is not None
+            prefetched, backed_up = io.drain_prefetch(), io.drain_backup()
+            if prefetched or backed_up:
+                self.report(prefetched, backed_up)
+            return len(prefetched) + len(backed_up)
+
+        def await_io(self, kind: Kind) -> int:
+            """Wait until the ``kind`` thread posted results (reported; their count is
+            returned), waits at the gate, or has nothing left to do (0)."""
+            deadline = time.monotonic() + IO_WAIT_S
+            operations = GATED[kind]
+            while True:
+                taken = self.collect()
+                if taken:
+                    return taken
+                if not self.pending(kind) or any(self.backend.waiting(op)
+                                                 for op in operations):
+                    return 0
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"threaded I/O: the {kind} thread neither reached the gate nor "
+                        f"posted a result within {IO_WAIT_S} s (operations "
+                        f"{sorted(i for i, k in self.outstanding.items() if k == kind)} "
+                        "outstanding)")
+                self.backend.wait_at_gate(operations, 0.002)
+
+        def settle_io(self) -> None:
+            """Threaded: each I/O thread with work waits at the gate, and every result
+            it posted without a backend call (an operation stopped before it began) is
+            reported, so the tier's next poll takes nothing the model has not seen."""
+            self.observe()
+            for kind in KINDS:
+                while self.pending(kind) and not any(self.backend.waiting(op)
+                                                     for op in GATED[kind]):
+                    self.await_io(kind)
+
+        def run_threaded(self, limit: int) -> None:
+            """Let the threads through, call by call (prefetches first, then backups,
+            as ``run_pending``), until ``limit`` results (0: all) came; an operation
+            begun is run to its result, so no partial progress stays between steps."""
+            self.observe()
+            taken = 0
+            for kind in KINDS:
+                while self.pending(kind) and not (limit and taken >= limit):
+                    got = self.await_io(kind)
+                    taken += got
+                    if not got and self.pending(kind):
+                        operation = next(op for op in GATED[kind] if self.backend.waiting(op))
+                        self.backend.let_through(operation)
+            self.settle_io()
+
         def io_pending(self) -> bool:
             return any(p.io_running for p in self.tier.state.prefetches.values()) or any(
                 w.phase == "running" for w in self.tier.state.writes.values())
@@ -218,8 +336,8 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
         def attach(self, settings: TierSettings, go: int = 0) -> None:
             if go:
                 return
-            observed = self.tier.attach(self.backend, "model-x", settings, threaded=False,
-                                        batch_pages=8)
+            observed = self.tier.attach(self.backend, "model-x", settings,
+                                        threaded=self.threaded, batch_pages=8)
             identity = self.tier.identity
             assert identity is not None
             self.identity = (identity.model, identity.dtype, identity.layout)
@@ -432,13 +550,25 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             self.counts.ops["evicted under a running prefetch"] += 1
 
         @precondition(lambda self: self.tier.attached and self.io_pending())
-        @rule()
-        def run_io(self) -> None:
+        @rule(limit=st.integers(0, 2))
+        def run_io(self, limit: int = 0) -> None:
+            """The I/O runs: every operation queued (synchronous), or, threaded, the
+            operations let through the gate until ``limit`` results came (0: all)."""
             io = self.tier.io
             if io is None:
                 return
+            if self.threaded:
+                self.run_threaded(limit)
+                return
             io.run_pending()
-            prefetched, backed_up = io.drain_prefetch(), io.drain_backup()
+            self.report(io.drain_prefetch(), io.drain_backup())
+
+        def report(self, prefetched: list[PrefetchResult],
+                   backed_up: list[BackupResult]) -> None:
+            """Each I/O result to the model (prefetches first), then to the tier."""
+            for result in (*prefetched, *backed_up):
+                self.outstanding.pop(result.op_id, None)  # type: ignore[arg-type]
+            self.io_reported = self.threaded
             storage = self.model.storage
             assert storage is not None
             for result in prefetched:
@@ -535,6 +665,8 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
 
         @invariant()
         def refines_the_model(self) -> None:
+            if self.threaded and self.tier.io is not None:
+                self.settle_io()
             found = violations(self.model)
             assert not found, f"the model broke its own invariants: {found}"
             self.check_impl()
@@ -553,6 +685,9 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 if busy(self.model):
                     self.counts.exercised[spec_id] += 1
             tally_states(self.counts.states, self.model)
+            if self.io_reported:
+                self.counts.states[THREADED_IO_STEP] += 1
+                self.io_reported = False
             self.climb_all()
 
         def climb_all(self) -> None:

@@ -25,6 +25,15 @@ that operation takes the next one (none queued: the call passes straight through
   the I/O's thread it ends that thread (io.py), on the caller's thread it reaches the
   caller.
 
+The gate (``close_gate``) makes threaded I/O deterministic for a test that steps a model
+beside it: every batch call from a thread other than the one that closed the gate waits
+there until the test lets it through (``let_through``), so the I/O threads run but the
+test decides when each call happens, and so when results become visible. The closing
+thread's own calls (a hit query on the scheduler thread) pass. ``refuse`` makes waiting
+and arriving calls fail with ``StorageError`` before touching a page (a shutdown must not
+wait for a test that will not release them), and ``gate_timeout_s`` is the safety net: a
+call never let through fails naming the wait instead of hanging the test.
+
 A fault whose ``at_page`` is past its batch does nothing. After every ``get`` (``fetch``), the host
 slots of the pages past the returned count are overwritten with NaN: they hold
 unspecified bytes by contract, and this makes a caller that reads them fail its tests.
@@ -159,6 +168,11 @@ class ControlledBackend(StorageBackend):
         self._condition = threading.Condition()
         self._held = 0
         self._generation = 0  # bumped by each release; a held page waits for a bump
+        self._gate_owner: int | None = None  # the thread whose calls pass; None: open
+        self._gate_timeout_s = 30.0
+        self._waiting: dict[Operation, int] = {op: 0 for op in OPERATIONS}
+        self._passes: dict[Operation, int] = {op: 0 for op in OPERATIONS}
+        self._refusing = False
 
     # -- what the test drives ------------------------------------------------------------
 
@@ -213,9 +227,84 @@ class ControlledBackend(StorageBackend):
             raise StorageError(self.name, operation, f"slow page {index} was not released "
                                                      f"within {self._hold_timeout_s} s")
 
+    # -- the gate --------------------------------------------------------------------------
+
+    def close_gate(self, timeout_s: float = 30.0) -> None:
+        """From now on every batch call from another thread than this one waits at the
+        gate until ``let_through``; one still waiting after ``timeout_s`` fails."""
+        if (not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool)
+                or not math.isfinite(timeout_s) or timeout_s <= 0):
+            raise StorageArgumentError("timeout_s", f"must be a finite number > 0, got "
+                                                    f"{timeout_s!r}")
+        with self._condition:
+            self._gate_owner = threading.get_ident()
+            self._gate_timeout_s = float(timeout_s)
+
+    def open_gate(self) -> None:
+        """Let every call through from now on, those waiting too."""
+        with self._condition:
+            self._gate_owner = None
+            self._condition.notify_all()
+
+    def waiting(self, operation: Operation) -> int:
+        """Calls of ``operation`` waiting at the gate and not yet let through."""
+        with self._condition:
+            return self._unserved(operation)
+
+    def _unserved(self, operation: Operation) -> int:
+        return self._waiting[operation] - self._passes[operation]
+
+    def wait_at_gate(self, operations: Sequence[Operation], timeout_s: float) -> bool:
+        """Wait until a call of one of ``operations`` waits at the gate; False if
+        ``timeout_s`` passed first."""
+        with self._condition:
+            return self._condition.wait_for(
+                lambda: any(self._unserved(op) for op in operations), timeout=timeout_s)
+
+    def let_through(self, operation: Operation) -> None:
+        """Let one call of ``operation`` waiting at the gate go on."""
+        with self._condition:
+            if self._unserved(operation) <= 0:
+                raise StorageArgumentError("operation", f"no {operation} call waits at "
+                                                        "the gate")
+            self._passes[operation] += 1
+            self._condition.notify_all()
+
+    def refuse(self, refusing: bool) -> None:
+        """While ``refusing``, calls waiting at the gate or reaching it fail at once
+        with ``StorageError``, before any page (an I/O shutdown joins its threads)."""
+        with self._condition:
+            self._refusing = refusing
+            self._condition.notify_all()
+
+    def _at_gate(self, operation: Operation) -> None:
+        """Wait at the gate if it is closed to this thread (see the module docstring)."""
+        with self._condition:
+            if self._gate_owner is None or self._gate_owner == threading.get_ident():
+                return
+            self._waiting[operation] += 1
+            self._condition.notify_all()
+            try:
+                passed = self._condition.wait_for(
+                    lambda: (self._passes[operation] > 0 or self._refusing
+                             or self._gate_owner is None), timeout=self._gate_timeout_s)
+                refused = self._refusing and not self._passes[operation]
+                if passed and not refused and self._passes[operation]:
+                    self._passes[operation] -= 1
+            finally:
+                self._waiting[operation] -= 1
+                self._condition.notify_all()
+        if not passed:
+            raise StorageError(self.name, operation, f"a gated {operation} call was not let "
+                                                     f"through within {self._gate_timeout_s} s")
+        if refused:
+            raise StorageError(self.name, operation, f"a gated {operation} call was refused "
+                                                     "(the I/O is shutting down)")
+
     # -- the backend ---------------------------------------------------------------------
 
     def _ops(self, operation: Operation) -> PageOps:
+        self._at_gate(operation)  # before the fault is taken: the call's turn decides it
         with self._condition:
             queue = self._faults[operation]
             fault = queue.popleft() if queue else None
