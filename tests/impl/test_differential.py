@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -146,4 +147,33 @@ def test_a_load_infers_its_victims_with_the_anchor_locked() -> None:
     machine.load_back(index=0)  # (1, 2), anchored at (1,)
     machine.engine_refines_the_model()
     assert machine.model.pages[Key((1, 2))].device is not None
+    machine.teardown()
+
+
+class KeepsTheCallersList(OursAdapter):
+    """A planted adapter bug (issue 17): it writes KV lazily, at its next look at the
+    engine, from the very list the caller handed it."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__(scenario)
+        self.later: tuple[Sequence[int], Sequence[Key]] | None = None
+
+    def write_kv(self, slots: Sequence[int], contents: Sequence[Key]) -> None:
+        self.later = (slots, contents)
+
+    def observe(self, model: State) -> State:
+        if self.later is not None:
+            super().write_kv(*self.later)
+            self.later = None
+        return super().observe(model)
+
+
+def test_the_suite_scribbles_over_the_slots_it_hands_an_adapter() -> None:
+    """The caller reuses its buffer after each call: an adapter that kept the list it was
+    given writes the KV into other slots, and the next comparison fails."""
+    machine = make_differential(lambda: KeepsTheCallersList(Scenario()))()
+    with pytest.raises(AssertionError, match="disagree"):
+        machine.request(tokens=(1, 2, 3, 1), namespace=None, dt=0, chunked=False,
+                        priority=0, keep_lock=False)
+        machine.engine_refines_the_model()
     machine.teardown()

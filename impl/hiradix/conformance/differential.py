@@ -7,14 +7,24 @@ reset. A rule whose operation the engine lacks is skipped by its precondition. T
 engine's choices are inferred from its state (``infer``); the model validates them.
 After every step the engine's abstract state must equal the model's (with the adapter's
 declared adoptions), and every invariant must hold on both.
+
+Caller buffers reused (issue 17): every slot sequence the suite hands an adapter
+(``write_kv``, ``insert``, ``free``) is a fresh list that is overwritten right after the
+call, as a scheduler reuses its buffer for the next batch, before the comparison. The
+adapter protocol (``adapters/base.py``) passes and returns tuples of slot ids, never
+tensors: each adapter builds the engine's tensor from the sequence itself, and what it
+returns (``alloc``'s slots, a match's device slots, a load's slots) is an immutable
+tuple. So the scribble here reaches an adapter that keeps the caller's sequence, not an
+engine that keeps the tensor its adapter made; the engine's own buffers are scribbled
+only where the conformance machine drives our cache directly (``machine.scribble``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -34,6 +44,17 @@ from hiradix_model.ops.insert import insert_pages
 
 tokens = st.lists(st.integers(1, 3), max_size=14).map(tuple)
 namespaces = st.sampled_from([None, None, "b"])
+Result = TypeVar("Result")
+
+
+def handed(call: Callable[[list[int]], Result], slots: Sequence[int]) -> Result:
+    """``call`` with a fresh list of ``slots``, overwritten in place once it returns
+    (the caller reuses its buffer, issue 17): each entry becomes another slot id, so an
+    adapter that kept the list now holds slots it was never given."""
+    buffer = list(slots)
+    result = call(buffer)
+    buffer[:] = [slot + 1 for slot in buffer]
+    return result
 
 
 def engine_values(model: State, engine: State, fields: frozenset[str]) -> dict[Key, dict[str, int]]:
@@ -271,8 +292,8 @@ def make_differential(factory: Callable[[], EngineAdapter],
             new = self.engine.alloc(alloc_tokens) if alloc_tokens else None
             if new is not None:
                 self.step("alloc", ops.alloc, key, cached, new)
-                self.engine.write_kv(new[:need], [content_at(key, cached + i)
-                                                  for i in range(need)])
+                contents = [content_at(key, cached + i) for i in range(need)]
+                handed(lambda given: self.engine.write_kv(given, contents), new[:need])
                 slots = want.device_slots + new[:need]
                 now = self.tick(dt)
                 self.prune_inserted()
@@ -292,8 +313,9 @@ def make_differential(factory: Callable[[], EngineAdapter],
                     counts.ops["insert counted_from inside the key"] += 1
                 run = backup_run(draft, due)
                 before = self.observe()
-                prefix = self.engine.insert(key, slots, priority=priority, chunked=chunked,
-                                            counted_from=counted)
+                prefix = handed(lambda given: self.engine.insert(
+                    key, given, priority=priority, chunked=chunked, counted_from=counted),
+                    slots)
                 after = self.observe(adopt=False)
                 if "evict_host_for_whole_node" in self.engine.mapped and left_host(before, after):
                     # DEV-8: the engine made host room for a whole node, not the shortfall;
@@ -313,7 +335,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
                 self.agree(ops.InsertResult(prefix, result.due), result)
                 leftover = tuple(s for s in new if s in self.model.held)
                 if leftover:
-                    self.engine.free(leftover)
+                    handed(self.engine.free, leftover)
                     self.step("free", ops.free, leftover)
             if keep_lock and locked is not None:
                 self.caller_locks.append(locked)
