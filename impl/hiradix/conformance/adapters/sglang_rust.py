@@ -168,6 +168,7 @@ class _Node:
     end: int
     device: tuple[int, ...] | None  # SGLang slots
     lock: int
+    host: tuple[int, ...] | None = None  # host slots (a backed-up node; host tier only)
 
 
 def _stdout_of(call: Callable[[], None]) -> str:
@@ -203,18 +204,9 @@ class SglangRustAdapter:
         self.version = probe(self.name)
         ps = self.ps = scenario.page_size
         device_slots = scenario.device_pages * ps
-        args = m["args"].ServerArgs(model_path="dummy", device="cpu", page_size=ps)
-        m["context"].publish(args, role="test")
         self.token_shape = token_shape(scenario.kv_layout)
-        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages,
-                                               scenario.kv_layout)
-        full = m["components"].ComponentType.FULL
-        self.full = full
-        params = m["params"].CacheInitParams(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
-            page_size=ps, eviction_policy=scenario.eviction, tree_components=(full,),
-            tree_core_backend="rust")
-        self.cache = m["urc"].UnifiedRadixCache(params)
+        self.full = m["components"].ComponentType.FULL
+        self._build(scenario)
         if not isinstance(self.cache.tree_core, m["rust"].RustUnifiedTreeCore):
             raise EngineUnavailable(f"{self.name}: SGLang fell back to "
                                     f"{type(self.cache.tree_core).__name__} ({SETUP})")
@@ -252,6 +244,19 @@ class SglangRustAdapter:
         self.freed_by_tree: set[int] = set()
         self.contents: dict[bytes, Key] = {}  # KV fingerprint -> the content written
         self.high_handle = int(self.core.root_node_handle(None))
+
+    def _build(self, scenario: Scenario) -> None:
+        """The pools and the cache: the device tier only."""
+        m, ps = self.env.modules, scenario.page_size
+        args = m["args"].ServerArgs(model_path="dummy", device="cpu", page_size=ps)
+        m["context"].publish(args, role="test")
+        self.kv, self.allocator = device_pools(m, ps, scenario.device_pages,
+                                               scenario.kv_layout)
+        params = m["params"].CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
+            page_size=ps, eviction_policy=scenario.eviction, tree_components=(self.full,),
+            tree_core_backend="rust")
+        self.cache = m["urc"].UnifiedRadixCache(params)
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -292,11 +297,15 @@ class SglangRustAdapter:
             nodes[handle] = _Node(handle, int(info.parent_id), int(info.path_start),
                                   int(info.path_end),
                                   None if value is None else tuple(value.tolist()),
-                                  locks[handle])
+                                  locks[handle], self._host_value(handle))
         if nodes:
             self._seen(*nodes)
         assert set(locks) == set(nodes) | {root}, "pretty_print and the handle scan disagree"
         return nodes
+
+    def _host_value(self, handle: int) -> tuple[int, ...] | None:
+        """A node's host slots: none on the device tier."""
+        return None
 
     def _handle(self, page: Key | None) -> int:
         """The handle of the node that ends at ``page`` (a match has put a boundary
@@ -305,10 +314,27 @@ class SglangRustAdapter:
         if page is None:
             return root
         for node in self._scan().values():
-            if node.end == len(page.tokens) and node.device is not None \
-                    and self._content(node.device[-1]) == page:
+            if node.end == len(page.tokens) and self._node_keys(node)[-1] == page:
                 return node.handle
         raise KeyError(f"{self.name}: no node ends at {page}")
+
+    def _node_keys(self, node: _Node) -> list[Key]:
+        """The keys of a node's pages, read off the KV bytes at each page's last slot
+        (device, or host for a node that has left the device): a page's key is the
+        prefix its last token's KV depends on."""
+        keys = []
+        for cut in range(self.ps - 1, node.end - node.start, self.ps):
+            key = (self._content(node.device[cut]) if node.device is not None
+                   else self._host_content(node.host[cut]) if node.host is not None
+                   else None)
+            where = "device" if node.device is not None else "host"
+            assert key is not None, f"node {node.handle}: {where} KV nobody wrote"
+            assert len(key.tokens) == node.start + cut + 1, (key, node)
+            keys.append(key)
+        return keys
+
+    def _host_content(self, slot: int) -> Key | None:
+        raise AssertionError(f"{self.name}: a node with neither device nor host value")
 
     def _read_device(self, engine_slots: Sequence[int]) -> torch.Tensor:
         """``[layers, len(slots), *token_shape]``."""
@@ -375,7 +401,7 @@ class SglangRustAdapter:
         # request still uses; the tree frees the caller's duplicates past it. Read off
         # the node scan, not a match, which would touch recency.
         read = self._pages(self._scan())
-        cached = [s for k in page_keys(key, self.ps) if k in read
+        cached = [s for k in page_keys(key, self.ps) if k in read and read[k][0] is not None
                   for s in self._from_engine(torch.tensor(read[k][0]))]
         prev = 0
         while prev < min(len(cached), len(slots)) and slots[prev] == cached[prev]:
@@ -425,26 +451,25 @@ class SglangRustAdapter:
             slots = [p * self.ps + i for p in pages for i in range(self.ps)]
         return frozenset(s - self.ps for s in slots)
 
-    def _pages(self, nodes: dict[int, _Node]) -> dict[Key, tuple[tuple[int, ...], int]]:
-        """Each page's device slots (SGLang's) and lock count, keyed by the content of
-        its last slot: a page's key is the prefix its last token's KV depends on."""
-        found: dict[Key, tuple[tuple[int, ...], int]] = {}
+    def _pages(self, nodes: dict[int, _Node]) -> dict[Key, tuple[tuple[int, ...] | None,
+                                                                 tuple[int, ...] | None, int]]:
+        """Each page's device slots (SGLang's), host slots and lock count."""
+        found = {}
         for node in nodes.values():
-            assert node.device is not None, "a device-tier node without a device value"
-            assert len(node.device) == node.end - node.start
-            for cut in range(0, len(node.device), self.ps):
-                slots = node.device[cut:cut + self.ps]
-                key = self._content(slots[-1])
-                assert key is not None, f"slot {slots[-1]} holds KV nobody wrote"
-                assert len(key.tokens) == node.start + cut + self.ps, (key, node)
-                found[key] = (slots, node.lock)
+            for value in (node.device, node.host):
+                assert value is None or len(value) == node.end - node.start, node
+            for index, key in enumerate(self._node_keys(node)):
+                cut = slice(index * self.ps, (index + 1) * self.ps)
+                found[key] = (None if node.device is None else node.device[cut],
+                              None if node.host is None else node.host[cut], node.lock)
         return found
 
     def observe(self, model: State) -> State:
         nodes = self._scan()
         read = self._pages(nodes)
         pages: dict[Key, Page] = {}
-        for key, (slots, lock) in read.items():
+        for key, (slots, _, lock) in read.items():
+            assert slots is not None, f"{key}: a device-tier page off the device"
             known = model.pages.get(key) or Page(None, None)
             pages[key] = Page(device=self._from_engine(torch.tensor(slots)), host=None,
                               lock=lock, host_protect=0,  # no host tier: nothing to protect
