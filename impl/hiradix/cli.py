@@ -56,7 +56,8 @@ DIFFERENTIAL_POLICIES = ("write_through", "write_through_selective")
 # builds it.
 OWN_MACHINES = {"vllm": "hiradix.conformance.vllm_machine",
                 "vllm-offload": "hiradix.conformance.vllm_machine",
-                "sglang-storage": "hiradix.conformance.sglang_storage_machine"}
+                "sglang-storage": "hiradix.conformance.sglang_storage_machine",
+                "sglang-unified-storage": "hiradix.conformance.sglang_unified_storage_machine"}
 STORAGE = (None, "memory", "file")  # ours: no tier, or a tier over this backend
 
 

@@ -29,6 +29,7 @@ MODULES = {
     "sglang": "hiradix.conformance.adapters.sglang",
     "sglang-unified": "hiradix.conformance.adapters.sglang_unified",
     "sglang-storage": "hiradix.conformance.adapters.sglang_storage",
+    "sglang-unified-storage": "hiradix.conformance.adapters.sglang_unified_storage",
     "sglang-unified-rust": "hiradix.conformance.adapters.sglang_rust",
     "sglang-unified-rust-hicache": "hiradix.conformance.adapters.sglang_rust_hicache",
     "vllm": "hiradix.conformance.adapters.vllm",

@@ -1,0 +1,370 @@
+"""Adapter for the storage tier (L3) of SGLang's ``UnifiedRadixCache``: the cache the
+server builds for ``--enable-hierarchical-cache``, with ``init_hicache`` and the ``file``
+backend (``HiCacheFile``) attached at run time in a directory of its own.
+
+The two-tier part is the ``sglang-unified`` adapter's (Python tree core, its CPU
+patches, stamps and corrections). The storage calls are those the HiRadixCache storage
+adapter makes (``sglang_storage``): this class inherits them (attach, detach, clear, the
+thread pumps, page hashes, the files on disk) and overrides where UnifiedRadixCache's
+bookkeeping differs (spec/09 9.10):
+
+- prefetches are keyed by ``CacheRequestHandle`` (rid, attempt), not by rid, and their
+  entry is ``_OngoingPrefetch`` (anchor node id, key, host slots, operation, the anchor's
+  host-lock receipt);
+- backups are ``ongoing_backup[op] = (node id, host-lock receipt)``;
+- the drain takes per-pool release counts (``extra_release_counts``; none here: FULL
+  is the only component);
+- the hit drain allocates what fits (``allocate_storage_hit(allow_partial=True)``, at
+  least the threshold), where HiRadixCache allocates all the hits or none;
+- the ``timeout`` policy's deadline starts at the first admission poll that finds the
+  prefetch unfinished (``_StoragePrefetchWait``, a ``PollTimer``), not at issue, and has
+  no cap.
+
+**Deterministic I/O**, as in ``sglang_storage``: ``threading.Thread`` in the controller
+modules (``cache_controller`` and ``hybrid_cache_controller``) is ``_InlineThread``; the
+controller's stop event is ``_Quiescent``; ``pump`` runs one of SGLang's thread
+functions on the calling thread. ``PollTimer`` reads the suite's logical clock.
+
+Not driven: pipeline parallelism (prefetch tickets, ``bind_prefetch_ticket``,
+``_check_pp_prefetch_progress``: they need a PP process group), ``buffer_only`` host
+memory mode (parked hits, anchor caps), the scheduler's retry book
+(``storage_prefetch_retries``: re-issue hints the scheduler reads, no cache state),
+``assume_stored`` prefetches (``storage_hit_end``), sidecar pools (SWA, Mamba).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import threading
+from array import array
+from collections.abc import Callable, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from hiradix.conformance.adapters import sglang_unified
+from hiradix.conformance.adapters.base import EngineAdapter, probe_engine
+from hiradix.conformance.adapters.sglang_storage import (
+    NO_LIMIT,
+    PrefetchView,
+    SglangStorageAdapter,
+    _InlineThread,
+    _Quiescent,
+)
+from hiradix.conformance.adapters.sglang_unified import SETUP, SglangUnifiedAdapter
+from hiradix.conformance.scenario import Scenario
+from hiradix_model import Key, State, StorageSettings
+
+VERSIONS = ("0.5.23",)
+# ``priority`` is left out as in sglang-storage (DEV-S17); ``tlru`` is not the model's.
+STRATEGIES = ("lru", "lfu", "fifo", "mru", "filo", "slru")
+_STORAGE_MODULES = {
+    "controller": "sglang.srt.managers.cache_controller",
+    "hybrid": "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+    "timer": "sglang.srt.utils.poll_timer",
+    "utils": "sglang.srt.mem_cache.utils",
+    "handle": "sglang.srt.mem_cache.base_prefix_cache",
+    "runtime": "sglang.srt.runtime_context",
+    "radix": "sglang.srt.mem_cache.radix_cache",
+}
+
+
+class _TickClock:
+    """``time`` inside ``poll_timer``: ``perf_counter`` reads the suite's logical tick,
+    so a prefetch's deadline (``_StoragePrefetchWait``) counts ticks."""
+
+    def __init__(self, clock: sglang_unified.UnifiedClock) -> None:
+        self.clock = clock
+
+    def perf_counter(self) -> float:
+        return float(self.clock.now)
+
+
+_STORAGE_ENV: SimpleNamespace | None = None
+
+
+def prepare_storage() -> SimpleNamespace:
+    """The UnifiedRadixCache environment with the storage threads made inline (once)."""
+    global _STORAGE_ENV
+    if _STORAGE_ENV is None:
+        env = sglang_unified.prepare()
+        modules = {k: importlib.import_module(v) for k, v in _STORAGE_MODULES.items()}
+        inline = SimpleNamespace(Thread=_InlineThread, Event=threading.Event,
+                                 Lock=threading.Lock)
+        modules["controller"].threading = inline
+        modules["hybrid"].threading = inline
+        modules["timer"].time = _TickClock(env.clock)
+        _STORAGE_ENV = SimpleNamespace(unified=env, modules=modules)
+    return _STORAGE_ENV
+
+
+def probe(engine: str) -> str:
+    """The installed SGLang version, if this adapter can drive its storage tier."""
+    def load() -> None:
+        senv = prepare_storage()
+        cache = senv.unified.modules["uni"].UnifiedRadixCache
+        for name in ("attach_storage_backend", "detach_storage_backend",
+                     "prefetch_from_storage", "check_prefetch_progress",
+                     "release_aborted_request", "pop_prefetch_loaded_tokens",
+                     "drain_storage_control_queues", "_drain_storage_control_queues_impl",
+                     "query_storage_hit_length", "clear_storage_backend"):
+            if not callable(getattr(cache, name, None)):
+                raise AttributeError(f"UnifiedRadixCache has no {name}")
+        controller = senv.modules["hybrid"].HybridCacheController
+        for name in ("prefetch_thread_func", "prefetch_io_aux_func",
+                     "prefetch_sync_thread_func", "backup_thread_func",
+                     "allocate_storage_hit"):
+            if not callable(getattr(controller, name, None)):
+                raise AttributeError(f"HybridCacheController has no {name}")
+    return probe_engine(engine, "sglang", VERSIONS, "UnifiedRadixCache's storage tier",
+                        SETUP, load)
+
+
+class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
+    """UnifiedRadixCache (Python tree core) with a ``file`` storage backend.
+
+    The method order is: this class, the HiRadixCache storage adapter's calls, then the
+    UnifiedRadixCache adapter's tree (``SglangStorageAdapter.__init__`` is not run: it
+    builds a HiRadixCache)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        if scenario.eviction not in STRATEGIES:
+            raise ValueError(f"scenario: eviction must be one of {STRATEGIES} (DEV-S17)")
+        self.senv = prepare_storage()
+        SglangUnifiedAdapter.__init__(self, scenario)
+        self.version = probe("sglang-unified-storage")
+        self.name = "sglang-unified-storage"
+        self.controller = self.cache.cache_controller
+        self.controller.storage_stop_event = _Quiescent()
+        self.setup_storage()
+        self.mapped = {
+            **self.mapped,
+            "storage threads": "no thread runs: SGLang's four storage thread functions "
+                               "are pumped on the calling thread (inline)",
+            "prefetch issue": "DEV-S14: issue, hit query and the hit drain that "
+                              "allocates are one step",
+            "partial allocation": "DEV-S21: the hit drain allocates what the host holds "
+                                  "after evicting (at least the threshold); mapped to a "
+                                  "prefetch of the allocated pages",
+            "prefetch completion": "DEV-S15: the drain that meets a finished transfer "
+                                   "inserts the fetched pages and ends the prefetch",
+            "timeout start": "DEV-S22: the timeout counts from the first admission poll "
+                             "that waits (uncapped); the model's prefetch start is moved "
+                             "to that poll",
+            "host protection": "DEV-S6: one host lock per backup and per prefetch anchor "
+                               "(mapped as in sglang-storage)",
+            "rate limit": "DEV-S14: lifted on both sides",
+        }
+        self.avoid = {
+            **self.avoid,
+            "reset_with_storage_ops": "DEV-S9",
+            "detach_with_ended_transfers_queued": "DEV-S18",
+            "attach_with_pages_cached": "DEV-S16",
+            "clear_with_backups_queued": "DEV-S20",
+            "backup_of_stored_pages_outstanding": "DEV-S20",
+            "fetch_below_a_device_only_page": "DEV-S5",
+            "backup_run_partly_fitting_the_host": "DEV-7",
+        }
+
+    def setup_storage(self) -> None:
+        """The state the inherited storage calls keep (``sglang_storage``)."""
+        import tempfile
+        self.directory = tempfile.mkdtemp(prefix="hiradix-sglang-unified-l3-")
+        self.hashes: dict[str, Key] = {}
+        self.handles: dict[str, Any] = {}
+        self.backup_issued: dict[int, tuple[Key, ...]] = {}
+        self.attempt = 0
+
+    # -- the storage calls that differ ------------------------------------------------
+
+    def attach(self, settings: StorageSettings) -> str:
+        seen = super().attach(settings)
+        self.controller.prefetch_capacity_limit = NO_LIMIT
+        return seen
+
+    def drain_hits(self, count: int) -> None:
+        self.cache._drain_storage_control_queues_impl(
+            n_storage_hit=count, n_ack_prefetch=0, n_backup=0, n_release=0,
+            extra_release_counts={}, log_metrics=False)
+
+    def drain_backup_acks(self) -> None:
+        """Only the backup acknowledgements (what DEV-S20's immediate ack drains)."""
+        self.cache._drain_storage_control_queues_impl(
+            n_storage_hit=0, n_ack_prefetch=0, n_backup=None, n_release=0,
+            extra_release_counts={}, log_metrics=False)
+
+    def releases_queued(self) -> bool:
+        return not self.controller.host_mem_release_queue.empty()
+
+    def drain_releases(self) -> None:
+        """Only the host-slot releases (what the scheduler's next drain frees first)."""
+        self.cache._drain_storage_control_queues_impl(
+            n_storage_hit=0, n_ack_prefetch=0, n_backup=0, n_release=None,
+            extra_release_counts={}, log_metrics=False)
+
+    def entry(self, request: str) -> Any:
+        """SGLang's ``_OngoingPrefetch`` of ``request``, or None."""
+        return self.cache.ongoing_prefetch.get(self.handle(request))
+
+    def has_prefetch(self, request: str) -> bool:
+        return self.entry(request) is not None
+
+    def prefetch(self, key: Key, node: Any, matched: int, request: str) -> tuple[int, int]:
+        """Issue, hit query, hit drain: the hits found and the host slots allocated."""
+        tokens = array("q", key.tokens[matched:])
+        root = node is self.cache.root_node
+        last_hash = None if root else self.cache.get_last_hash_value(node.id)
+        self.cache.prefetch_from_storage(self.handle(request), node.id, tokens, last_hash,
+                                         extra_key=key.namespace)
+        entry = self.entry(request)
+        if entry is None:
+            return 0, 0
+        operation = entry.operation
+        self.pump_query()
+        hits = int(operation.storage_hit_count) // self.ps
+        self.drain_hits(1)
+        entry = self.entry(request)
+        allocated = None if entry is None else entry.host_indices
+        return hits, 0 if allocated is None else len(allocated)
+
+    def query_hit_length(self, key: Key, node: Any, matched: int) -> int:
+        root = node is self.cache.root_node
+        last_hash = None if root else self.cache.get_last_hash_value(node.id)
+        return int(self.cache.query_storage_hit_length(
+            node.id, array("q", key.tokens[matched:]), last_hash, extra_key=key.namespace))
+
+    def ended_transfers(self) -> list[str]:
+        buffer = self.controller.prefetch_buffer
+        ended = []
+        for operation in [] if buffer is None else list(buffer.queue):
+            if operation is None:
+                continue
+            entry = self.cache.ongoing_prefetch.get(operation.handle)
+            if entry is None or entry.operation is not operation:
+                ended.append(operation.request_id)
+        return ended
+
+    def current_acks(self) -> list[Any]:
+        """The prefetch acknowledgements queued for a prefetch SGLang still tracks."""
+        acks = []
+        for ack in list(self.controller.ack_prefetch_queue.queue):
+            entry = self.cache.ongoing_prefetch.get(ack.operation.handle)
+            if entry is not None and entry.operation is ack.operation:
+                acks.append(ack)
+        return acks
+
+    def waiting_since(self, request: str) -> int | None:
+        """The tick of the first admission poll that found ``request``'s prefetch
+        unfinished under ``timeout`` (DEV-S22), or None."""
+        wait = self.cache._storage_prefetch_wait.get(self.handle(request))
+        if wait is None or wait.timer.started_at is None:
+            return None
+        return int(wait.timer.started_at)
+
+    def deadline_expired(self, request: str) -> bool:
+        """Whether a ``timeout`` deadline of ``request`` expired: SGLang issues no
+        prefetch for that request again (DEV-S22)."""
+        wait = self.cache._storage_prefetch_wait.get(self.handle(request))
+        return wait is not None and bool(wait.expired)
+
+    # -- what can be seen ---------------------------------------------------------------
+
+    def _node_of(self, node_id: int) -> Any:
+        return self.tree.node_by_id(node_id)
+
+    def prefetches(self) -> dict[str, PrefetchView]:
+        views = {}
+        for handle, entry in self.cache.ongoing_prefetch.items():
+            node = self._node_of(entry.anchor_node_id)
+            anchor = self._page_of(node)
+            base = () if anchor is None else anchor.tokens
+            host = entry.host_indices
+            pages = 0 if host is None else len(host) // self.ps
+            key = entry.prefetch_key
+            views[handle.rid] = PrefetchView(
+                handle.rid, anchor,
+                tuple(Key(base + tuple(key.token_ids[:(i + 1) * self.ps]), key.extra_key)
+                      for i in range(pages)),
+                None if host is None else tuple(host.tolist()))
+        return views
+
+    def writing_check(self) -> int:
+        """The acknowledgements; remembers the pages of each backup to storage they
+        issue (its node may be split later, DEV-S6)."""
+        before = set(self.cache.ongoing_backup)
+        acked = SglangUnifiedAdapter.writing_check(self)
+        queued = {op.id: op for op in list(self.controller.backup_queue.queue)
+                  if op is not None} if self.attached else {}
+        for op_id, (node_id, _) in self.cache.ongoing_backup.items():
+            if op_id in before:
+                continue
+            prefix = self._prefix(self._node_of(node_id))
+            start = len(prefix.tokens) - len(queued[op_id].token_ids)
+            self.backup_issued[op_id] = tuple(
+                Key(prefix.tokens[:end], prefix.namespace)
+                for end in range(start + self.ps, len(prefix.tokens) + 1, self.ps))
+        return acked
+
+    def backups(self) -> list[tuple[tuple[Key, ...], tuple[Key, ...]]]:
+        return [(self.backup_issued.get(op_id, ()), self.locked_pages(node_id, receipt))
+                for op_id, (node_id, receipt) in sorted(self.cache.ongoing_backup.items())]
+
+    def anchors(self) -> list[tuple[Key, ...]]:
+        root = self.cache.root_node
+        return [self.locked_pages(e.anchor_node_id, e.anchor_lock_params)
+                for e in self.cache.ongoing_prefetch.values()
+                if self._node_of(e.anchor_node_id) is not root]
+
+    def locked_pages(self, node_id: int, receipt: Any) -> tuple[Key, ...]:
+        """The pages one host lock holds, root-most first: its node and, up to the
+        node the receipt's boundary names, the upper parts splits made since (DEV-S23:
+        0.5.23 keeps a split node's upper part locked, HiRadixCache does not, DEV-S6)."""
+        boundary = receipt.get_lock_uuid(self.full, lock_host=True)
+        node, root = self._node_of(node_id), self.cache.root_node
+        nodes = [node]
+        while node.parent is not root and self._data(node).metadata.get(
+                "host_uuid") != boundary:
+            node = node.parent
+            nodes.append(node)
+        return tuple(k for n in reversed(nodes) for k in self._page_keys(n))
+
+    def root_priority(self) -> int:
+        """The priority a node hung under the root inherits (DEV-S17, 0.5.23 form): the
+        largest inserted since the reset, or the reset's sentinel, read as 0."""
+        priority = int(self.cache.root_node.priority)
+        return 0 if priority == -sys.maxsize else priority
+
+    def observe(self, model: State) -> State:
+        """The UnifiedRadixCache observation, with the root's reset sentinel that a
+        prefetch hung under the root before any insert inherits read as 0 (DEV-S17)."""
+        seen = SglangUnifiedAdapter.observe(self, model)
+        return dataclasses.replace(seen, pages={
+            k: dataclasses.replace(p, priority=0) if p.priority == -sys.maxsize else p
+            for k, p in seen.pages.items()})
+
+    def host_free_list(self) -> list[int]:
+        self.host._merge_release_slots()
+        return [int(s) for s in self.host.free_slots.tolist()]
+
+    def occupied(self) -> tuple[int, int]:
+        if not self.attached:
+            return 0, 0
+        return (int(self.controller.prefetch_tokens_occupied),
+                sum(len(e.prefetch_key) for e in self.cache.ongoing_prefetch.values()))
+
+    def loaded_tokens(self) -> Mapping[str, int]:
+        return {h.rid: n for h, n in self.cache.prefetch_loaded_tokens_by_reqid.items()}
+
+
+def factory(engine: str, scenario: Scenario) -> Callable[[], EngineAdapter]:
+    if engine != "sglang-unified-storage":
+        raise ValueError(f"engine: {engine!r} is not adapted here")
+    return lambda: SglangUnifiedStorageAdapter(scenario)
+
+
+def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
+    """The scenario values the adapter takes (the suite's CLI uses it)."""
+    return {"host_layout": ("layer_first",), "kv_layout": ("mha",),
+            "write_policy": ("write_through", "write_through_selective"),
+            "eviction": STRATEGIES}

@@ -1,0 +1,275 @@
+"""The differential suite with the storage tier of SGLang's ``UnifiedRadixCache`` (0.5.23,
+Python tree core) + ``HiCacheFile`` (spec/09 9.10).
+
+The storage steps are those of the HiRadixCache storage machine
+(``sglang_storage_machine``, spec/09 9.8-9.9). Its rules and checks that reach SGLang only
+through the adapter's storage calls are taken from that machine's class as they are
+(``_SHARED``: the comparison after every step, attach / detach / clear / query / abort /
+pop / backup / reset, the host-room and protection mappings); the rules that read
+SGLang's prefetch bookkeeping, which UnifiedRadixCache keeps apart, are this module's:
+
+- ``prefetch``: issue, hit query, hit drain. The hit drain allocates what the host holds
+  after its eviction (DEV-S21): the model is asked for a prefetch of the pages allocated.
+- ``drain``: the transfers, then ``drain_storage_control_queues``; the acknowledgements
+  are matched to ``_OngoingPrefetch`` entries by handle and operation.
+- ``progress``: under ``timeout`` the deadline runs from the first poll that waits
+  (DEV-S22): the model's prefetch start is moved to that poll; a per-token term is not
+  driven (SGLang counts requested pages, uncapped).
+- ``writing_check`` and ``serve``: as the HiRadixCache machine's (DEV-S20, DEV-7).
+- ``cycle``: a request's round trip, as in that machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hiradix.conformance import infer, sglang_storage_machine
+from hiradix.conformance.adapters.sglang_unified_storage import (
+    NO_LIMIT,
+    SglangUnifiedStorageAdapter,
+    factory,
+)
+from hiradix.conformance.differential import make_differential, namespaces, tokens
+from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.sglang_storage_machine import REQUESTS, settings_strategy
+from hiradix.conformance.tally import Tally
+from hiradix_model import Key, StorageSettings, ops
+
+# The HiRadixCache storage machine's members that see SGLang through the adapter only.
+_SHARED = ("sstep", "storage", "attached", "anchor_and_tokens", "protect", "prefetch_key",
+           "host_room", "attach", "detach", "clear", "query", "abort",
+           "pop_loaded", "backup", "drainable", "hung_below_device_only", "reset", "mapped",
+           "storage_differences")
+
+
+def unified_settings(page_size: int) -> st.SearchStrategy[StorageSettings]:
+    """The HiRadixCache machine's settings; under ``timeout`` without the per-token term
+    (DEV-S22: SGLang's counts requested pages, uncapped)."""
+    return settings_strategy(page_size).map(
+        lambda s: dataclasses.replace(s, timeout_per_ki_token=0)
+        if s.prefetch_policy == "timeout" else s)
+
+
+def make_machine(engine: str, scenario: Scenario,
+                 tally: Tally | None = None) -> type[RuleBasedStateMachine]:
+    """The storage differential machine of ``engine`` for one scenario."""
+    counts = tally if tally is not None else Tally()
+    # Only the class: no HiRadixCache is built until an instance is (none is).
+    hiradix = sglang_storage_machine.make_machine("sglang-storage", scenario, counts)
+    shared = {name: hiradix.__dict__[name] for name in _SHARED}
+    Base = make_differential(factory(engine, scenario), counts)
+
+    class SglangUnifiedStorage(Base):  # type: ignore[misc, valid-type]
+        engine: SglangUnifiedStorageAdapter
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts = counts
+            self.attach(StorageSettings(prefetch_threshold=scenario.page_size,
+                                        prefetch_policy="best_effort",
+                                        prefetch_token_limit=NO_LIMIT), 0)
+
+        @rule(settings=st.data(), go=st.integers(0, 3))
+        def attach_rule(self, settings: st.DataObject, go: int) -> None:
+            if go or (not self.attached() and self.model.pages):
+                return  # DEV-S16, as in the HiRadixCache machine
+            self.attach(settings.draw(unified_settings(scenario.page_size)), 0)
+
+        def serve(self, key: Key, dt: int, chunked: bool, priority: int, keep_lock: bool,
+                  counted_from: Key | None = None) -> None:
+            """As the HiRadixCache machine's: not served where the backup run may fit
+            the host in part (DEV-7)."""
+            pages, ps = self.model.pages, self.model.config.page_size
+            path = [Key(key.tokens[:end], key.namespace)
+                    for end in range(ps, len(key.tokens) + 1, ps)]
+            lacking = [sum(k not in pages or getattr(pages[k], tier) is None for k in path)
+                       for tier in ("device", "host")]
+            if (lacking[0] * ps <= self.model.config.device_slots
+                    and self.host_room(path) < lacking[1] * ps):
+                counts.ops["request not served: host room short of its backup run "
+                           "(DEV-7)"] += 1
+                return
+            super().serve(key, dt, chunked, priority, keep_lock, counted_from)
+
+        @precondition(lambda self: any(t.direction == "d2h" for t in self.model.pending))
+        @rule()
+        def writing_check(self) -> None:
+            """The acknowledgements; backups SGLang issued for pages all stored run and
+            are acknowledged at once (DEV-S20)."""
+            super().writing_check()
+            storage = self.model.storage
+            if not self.attached() or len(self.engine.cache.ongoing_backup) <= len(
+                    storage.writes):
+                return
+            counts.ops["backups of stored pages run and acknowledged at once "
+                       "(DEV-S20)"] += 1
+            self.engine_refines_the_model()
+            self.backup()
+            self.engine_refines_the_model()
+            self.engine.drain_backup_acks()
+            self.sstep("drain_storage_queues", ops.drain_storage_queues, revokes=0,
+                       releases=0)
+
+        @precondition(lambda self: self.attached() and bool(self.seen))
+        @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63), dt=st.integers(0, 2))
+        def prefetch(self, request: str, index: int, dt: int) -> None:
+            engine = self.engine
+            if engine.has_prefetch(request) or request in engine.ended_transfers():
+                counts.ops["prefetch not issued: one tracked or its ended transfer queued "
+                           "(DEV-S3, DEV-S19)"] += 1
+                return
+            if engine.deadline_expired(request):
+                counts.ops["prefetch not issued: the request's deadline expired "
+                           "(DEV-S22)"] += 1
+                return
+            key = self.seen[index % len(self.seen)]
+            self.tick(dt)
+            anchor, node, matched = self.anchor_and_tokens(key)
+            before = self.observe()
+            hits, allocated = engine.prefetch(key, node, matched, request)
+            ps = self.model.config.page_size
+            after = self.observe(adopt=False)
+            if infer.left_host(before, after):
+                # DEV-S7: host room made for all the hits, the anchor protected.
+                self.protect(anchor, +1)
+                self.step("evict_host", ops.evict_host, hits * ps,
+                          infer.host_victims(self.model, before, after, hits * ps))
+                self.protect(anchor, -1)
+            if 0 < allocated < hits * ps:
+                counts.ops["hit drain allocated part of the hits (DEV-S21)"] += 1
+            pages = allocated // ps if allocated else hits
+            pkey = self.prefetch_key(key, anchor, matched, pages)
+            engine.learn(pkey)
+            view = engine.prefetches().get(request)
+            got = self.sstep("prefetch_from_storage", ops.prefetch_from_storage, request,
+                             pkey, anchor, self.now,
+                             host_slots=view.reserved if allocated and view else None)
+            assert got == allocated, f"prefetch_from_storage: SGLang {allocated}, model {got}"
+            if got:
+                assert not self.sstep("io_prefetch_query", ops.io_prefetch_query, request,
+                                      pages)
+
+        @precondition(lambda self: self.attached() and self.drainable())
+        @rule()
+        def drain(self) -> None:
+            """The transfers run, then the scheduler drains every control queue."""
+            for request in self.hung_below_device_only():
+                counts.ops["prefetch aborted before the drain: its pages run below a "
+                           "device-only page (DEV-S5)"] += 1
+                self.abort(request)
+                self.engine_refines_the_model()
+            self.engine.pump_fetch()
+            acks = self.engine.current_acks()
+            ps = self.model.config.page_size
+            for ack in acks:
+                if ack.completed_tokens is None:
+                    continue
+                p = self.storage().prefetch_of(ack.rid)
+                assert p is not None and p.phase == "fetching", (ack.rid, p)
+                pages = ack.completed_tokens // ps
+                self.sstep("io_prefetch_fetch", ops.io_prefetch_fetch, ack.rid,
+                           pages - p.landed, fault=None if pages == p.hit_pages else "short")
+            self.engine.drain()
+            if self.engine.releases_queued():
+                # DEV-S24: the drain counts each queue before it starts; the slots an
+                # acknowledgement releases wait for the next drain, which runs now.
+                counts.ops["releases queued by the drain freed by the next (DEV-S24)"] += 1
+                self.engine.drain_releases()
+            for request in [ack.rid for ack in acks if ack.completed_req]:
+                if not ops.check_prefetch_progress(self.model, request, self.now)[1]:
+                    counts.ops["ended by the drain where the policy waits (DEV-S15)"] += 1
+                    self.sstep("terminate_prefetch", ops.terminate_prefetch, request)
+                assert self.end_prefetch(request)
+            self.sstep("drain_storage_queues", ops.drain_storage_queues)
+
+        @precondition(lambda self: self.attached() and bool(self.engine.cache.ongoing_prefetch))
+        @rule(request=st.sampled_from(REQUESTS), dt=st.integers(0, 4))
+        def progress(self, request: str, dt: int) -> None:
+            self.tick(dt)
+            waited = self.engine.waiting_since(request)
+            got = self.engine.check_prefetch_progress(request)
+            since = self.engine.waiting_since(request)
+            if waited is None and since is not None:
+                # DEV-S22: the deadline starts at this poll; the model's start moves here.
+                counts.ops["timeout started at the first waiting poll (DEV-S22)"] += 1
+                self.restart(request, since)
+            want = self.end_prefetch(request)
+            assert got == want, f"check_prefetch_progress: SGLang {got}, model {want}"
+
+        def end_prefetch(self, request: str) -> bool:
+            """The model's ``check_prefetch_progress``. Pages it hangs under the root
+            take the root's priority, as SGLang's do (DEV-S17, 0.5.23 form)."""
+            p = self.storage().prefetch_of(request)
+            cached = set(self.model.pages)
+            ended = bool(self.sstep("check_prefetch_progress", ops.check_prefetch_progress,
+                                   request, self.now))
+            if ended and p is not None and p.anchor is None:
+                priority = self.engine.root_priority()
+                pages = self.model.pages
+                self.model = dataclasses.replace(self.model, pages={
+                    **pages, **{k: dataclasses.replace(pages[k], priority=priority)
+                                for k in p.pages if k in pages and k not in cached}})
+            return ended
+
+        def restart(self, request: str, tick: int) -> None:
+            storage = self.storage()
+            self.model = dataclasses.replace(self.model, storage=dataclasses.replace(
+                storage, prefetches=tuple(dataclasses.replace(p, start=tick)
+                                          if p.request == request else p
+                                          for p in storage.prefetches)))
+
+        @precondition(lambda self: self.attached() and bool(self.seen))
+        @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63),
+              fresh=st.none() | st.tuples(tokens, namespaces), evict=st.integers(0, 24),
+              run=st.booleans(), dt=st.integers(0, 4))
+        def cycle(self, request: str, index: int, fresh: tuple[tuple[int, ...], str | None] | None,
+                  evict: int, run: bool, dt: int) -> None:
+            """A request's round trip: served, backed up to host and storage, evicted
+            from both tiers, prefetched back, fetched (``run``) and polled."""
+            if fresh is not None:
+                self.request(*fresh, dt=0, chunked=False, priority=0, keep_lock=False)
+                self.engine_refines_the_model()
+                index = len(self.seen) - 1
+            steps: list[tuple[Any, Any]] = [
+                (self.writing_check, lambda: any(t.direction == "d2h"
+                                                 for t in self.model.pending)),
+                (self.backup, lambda: not self.engine.controller.backup_queue.empty()),
+                (self.drain, self.drainable)]
+            for step, ready in steps:
+                if ready():
+                    step()
+                    self.engine_refines_the_model()
+            if evict:
+                self.evict_both(evict)
+                self.evict_host(evict)
+                self.engine_refines_the_model()
+            if self.engine.has_prefetch(request):
+                return
+            self.prefetch(request, index, 0)
+            if not self.engine.has_prefetch(request):
+                return
+            self.engine_refines_the_model()
+            if run and self.drainable():
+                self.drain()
+                self.engine_refines_the_model()
+            if self.engine.has_prefetch(request):
+                self.progress(request, dt)
+
+        @invariant()
+        def engine_refines_the_model(self) -> None:
+            self.compare(self.mapped(self.observe()))
+            problems = self.storage_differences()
+            assert not problems, "storage tier: " + "; ".join(problems)
+            self.tally_step()
+
+    for name, member in shared.items():
+        setattr(SglangUnifiedStorage, name, member)
+    SglangUnifiedStorage.__name__ = f"SglangUnifiedStorage_{scenario.slug()}"
+    return SglangUnifiedStorage
+
+
+__all__ = ["make_machine", "unified_settings"]
