@@ -6,6 +6,9 @@ the test); on the real implementation every one of them must pass.
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import pytest
 import torch
 
@@ -14,8 +17,11 @@ from hiradix.cache import HiRadixCache
 from hiradix.clock import ManualClock
 from hiradix.conformance.machine import make_machine
 from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.storage_machine import make_storage_machine
+from hiradix.conformance.tally import Tally
 from hiradix.errors import InvalidArgument, SlotError
 from hiradix.keys import RadixKey
+from hiradix.storage.tier import TierSettings
 from hiradix.transfer import ControlledCopyEngine
 
 
@@ -181,3 +187,63 @@ def test_the_caller_may_reuse_what_init_load_back_returned() -> None:
     assert loaded.numel() == 2
     loaded.add_(1)  # the caller's buffer, reused
     state.cache.check_invariants()
+
+
+# -- issue 15: storage-tier bugs planted by hand, kept as deterministic reproducers ------
+
+TOKENS = (1, 2, 3, 1, 2, 3, 1, 2)
+
+
+def _storage_machine(tally: Tally) -> Any:
+    return make_storage_machine(Scenario(), tally, Counter())()
+
+
+def test_a_prefetch_times_out_while_its_io_runs() -> None:
+    # Planted bug: check_prefetch_progress waited for a running I/O under the timeout
+    # policy (returned False) although the timeout had passed.
+    tally = Tally()
+    state = _storage_machine(tally)
+    state.reattach(settings=TierSettings(prefetch_threshold=0, prefetch_policy="timeout",
+                                         timeout_base=0, timeout_per_ki_token=0,
+                                         timeout_max=0, prefetch_token_limit=100))
+    state.cycle(request="r0", index=0, evict=24, use_anchor=False, dt=1, run=False,
+                fresh=(TOKENS, None), fetch_fault=None)
+    state.refines_the_model()
+    assert tally.ops["progress: timed out while the I/O ran"] >= 1, dict(tally.ops)
+    state.teardown()
+
+
+def test_a_revoked_prefetch_gives_up_its_slots_once_and_ends() -> None:
+    # Planted bugs: the drain left a revoked prefetch in place (never ended), and a
+    # prefetch's slots queued for release stayed counted as its own (released twice).
+    tally = Tally()
+    state = _storage_machine(tally)
+    state.request(tokens=TOKENS, namespace=None, dt=0, chunked=False, priority=0,
+                  keep_lock=False, quota=None)
+    state.refines_the_model()
+    state.prefetch(request="r0", index=0, use_anchor=False, dt=0)  # nothing stored yet
+    state.refines_the_model()
+    state.run_io()
+    state.refines_the_model()
+    assert tally.states["prefetch revoked, queued"] >= 1, dict(tally.states)
+    state.drain()
+    state.refines_the_model()
+    assert not state.tier.state.prefetches
+    state.teardown()
+
+
+def test_a_write_back_victim_with_a_protected_page_below_stays() -> None:
+    # Planted bug: write_back eviction, with no host room, dropped a device leaf whose
+    # host-only child was protected by a storage write in flight (spec/09 S-R5).
+    tally = Tally()
+    state = make_storage_machine(Scenario(write_policy="write_back", host_pages=1), tally,
+                                 Counter())()
+    state.request(tokens=(1, 2, 3, 1), namespace=None, dt=1, chunked=False, priority=0,
+                  keep_lock=False, quota=None)
+    state.evict(num_tokens=2)  # (3, 1) to host, the host full, its write to storage queued
+    state.refines_the_model()
+    assert tally.states["host pages all protected"] >= 1, dict(tally.states)
+    state.evict(num_tokens=2)  # (1, 2): no host room, S-R5 keeps it on device
+    state.refines_the_model()
+    assert [n.device is not None for n in state.cache.nodes()] == [True, False]
+    state.teardown()
