@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from hiradix.conformance import infer, sglang_storage_machine
 from hiradix.conformance.adapters.sglang_unified_storage import (
@@ -37,13 +37,13 @@ from hiradix.conformance.differential import make_differential, namespaces, toke
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.sglang_storage_machine import REQUESTS, settings_strategy
 from hiradix.conformance.tally import Tally
-from hiradix_model import Key, StorageSettings, ops
+from hiradix_model import Key, State, StorageSettings, ops
 
 # The HiRadixCache storage machine's members that see SGLang through the adapter only.
 _SHARED = ("sstep", "storage", "attached", "anchor_and_tokens", "protect", "prefetch_key",
-           "host_room", "attach", "detach", "clear", "query", "abort",
+           "host_room", "attach", "clear", "query", "abort",
            "pop_loaded", "backup", "drainable", "hung_below_device_only", "reset", "mapped",
-           "storage_differences")
+           "storage_differences", "engine_refines_the_model")
 
 
 def unified_settings(page_size: int) -> st.SearchStrategy[StorageSettings]:
@@ -58,20 +58,21 @@ def make_machine(engine: str, scenario: Scenario,
                  tally: Tally | None = None) -> type[RuleBasedStateMachine]:
     """The storage differential machine of ``engine`` for one scenario."""
     counts = tally if tally is not None else Tally()
-    # Only the class: no HiRadixCache is built until an instance is (none is).
+    Base = make_differential(factory(engine, scenario), counts)
+    # Only the class: no HiRadixCache is built until an instance is (none is). Its
+    # members count into the same tally.
     hiradix = sglang_storage_machine.make_machine("sglang-storage", scenario, counts)
     shared = {name: hiradix.__dict__[name] for name in _SHARED}
-    Base = make_differential(factory(engine, scenario), counts)
 
     class SglangUnifiedStorage(Base):  # type: ignore[misc, valid-type]
         engine: SglangUnifiedStorageAdapter
 
         def __init__(self) -> None:
-            super().__init__()
-            self.counts = counts
-            self.attach(StorageSettings(prefetch_threshold=scenario.page_size,
-                                        prefetch_policy="best_effort",
-                                        prefetch_token_limit=NO_LIMIT), 0)
+            super().__init__()  # the differential machine's (self.counts is the tally)
+            # Attached from the start (DEV-S16), best effort, no rate limit (DEV-S14).
+            first = StorageSettings(prefetch_threshold=scenario.page_size,
+                                    prefetch_token_limit=NO_LIMIT)
+            self.attach(first, 0)
 
         @rule(settings=st.data(), go=st.integers(0, 3))
         def attach_rule(self, settings: st.DataObject, go: int) -> None:
@@ -79,21 +80,57 @@ def make_machine(engine: str, scenario: Scenario,
                 return  # DEV-S16, as in the HiRadixCache machine
             self.attach(settings.draw(unified_settings(scenario.page_size)), 0)
 
+        @precondition(lambda self: self.attached())
+        @rule(go=st.integers(0, 7), drain_first=st.booleans())
+        def detach(self, go: int, drain_first: bool) -> None:
+            """As the HiRadixCache machine's (drained first where an ended prefetch's
+            transfer is queued, DEV-S18), after the live prefetches are aborted
+            (DEV-S26); and the tokens loaded for requests popped before the detach:
+            0.5.23's detach forgets them (DEV-S25; its scheduler detaches only when no
+            request is queued, so none is left to pop them)."""
+            if go:
+                return
+            for request in sorted(self.engine.prefetches()):
+                # DEV-S26: detach frees only the pages a live prefetch has landed; its
+                # scheduler refuses a detach while one is live. Aborted first.
+                counts.ops["prefetch aborted before a detach (DEV-S26)"] += 1
+                self.abort(request)
+                self.engine_refines_the_model()
+            ended = self.engine.ended_transfers_queued()
+            counts.ops["detach drained first: an ended prefetch's transfer queued "
+                       "(DEV-S18)"] += int(ended and not drain_first)
+            if (drain_first or ended) and self.drainable():
+                self.drain()
+                self.engine_refines_the_model()
+            for request in sorted(self.engine.loaded_tokens()):
+                counts.ops["loaded tokens popped before a detach (DEV-S25)"] += 1
+                self.pop_loaded(request)
+                self.engine_refines_the_model()
+            self.engine.detach()
+            self.sstep("detach_storage", ops.detach_storage)
+
         def serve(self, key: Key, dt: int, chunked: bool, priority: int, keep_lock: bool,
                   counted_from: Key | None = None) -> None:
             """As the HiRadixCache machine's: not served where the backup run may fit
             the host in part (DEV-7)."""
-            pages, ps = self.model.pages, self.model.config.page_size
-            path = [Key(key.tokens[:end], key.namespace)
-                    for end in range(ps, len(key.tokens) + 1, ps)]
-            lacking = [sum(k not in pages or getattr(pages[k], tier) is None for k in path)
-                       for tier in ("device", "host")]
-            if (lacking[0] * ps <= self.model.config.device_slots
-                    and self.host_room(path) < lacking[1] * ps):
+            if self.backup_may_fit_in_part(key):
                 counts.ops["request not served: host room short of its backup run "
                            "(DEV-7)"] += 1
                 return
             super().serve(key, dt, chunked, priority, keep_lock, counted_from)
+
+        def backup_may_fit_in_part(self, key: Key) -> bool:
+            """Whether ``key`` fits the device (so it is inserted and backed up) while
+            the host room, eviction included, is short of its pages lacking a copy."""
+            config, pages = self.model.config, self.model.pages
+            run = [Key(key.tokens[:n], key.namespace)
+                   for n in range(config.page_size, len(key.tokens) + 1, config.page_size)]
+
+            def lacking(tier: str) -> int:
+                return config.page_size * sum(
+                    page not in pages or getattr(pages[page], tier) is None for page in run)
+            return (lacking("device") <= config.device_slots
+                    and self.host_room(run) < lacking("host"))
 
         @precondition(lambda self: any(t.direction == "d2h" for t in self.model.pending))
         @rule()
@@ -101,44 +138,35 @@ def make_machine(engine: str, scenario: Scenario,
             """The acknowledgements; backups SGLang issued for pages all stored run and
             are acknowledged at once (DEV-S20)."""
             super().writing_check()
-            storage = self.model.storage
-            if not self.attached() or len(self.engine.cache.ongoing_backup) <= len(
-                    storage.writes):
-                return
-            counts.ops["backups of stored pages run and acknowledged at once "
-                       "(DEV-S20)"] += 1
-            self.engine_refines_the_model()
-            self.backup()
-            self.engine_refines_the_model()
-            self.engine.drain_backup_acks()
-            self.sstep("drain_storage_queues", ops.drain_storage_queues, revokes=0,
-                       releases=0)
+            unmatched = len(self.engine.cache.ongoing_backup) - len(self.storage().writes) \
+                if self.attached() else 0
+            if unmatched > 0:
+                counts.ops["backups of stored pages run and acknowledged at once "
+                           "(DEV-S20)"] += 1
+                for step in (self.engine_refines_the_model, self.backup,
+                             self.engine_refines_the_model, self.engine.drain_backup_acks):
+                    step()
+                self.sstep("drain_storage_queues", ops.drain_storage_queues, revokes=0,
+                           releases=0)
 
         @precondition(lambda self: self.attached() and bool(self.seen))
         @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63), dt=st.integers(0, 2))
         def prefetch(self, request: str, index: int, dt: int) -> None:
             engine = self.engine
-            if engine.has_prefetch(request) or request in engine.ended_transfers():
-                counts.ops["prefetch not issued: one tracked or its ended transfer queued "
-                           "(DEV-S3, DEV-S19)"] += 1
+            why = ("one tracked or its ended transfer queued (DEV-S3, DEV-S19)"
+                   if engine.has_prefetch(request) or request in engine.ended_transfers()
+                   else "the request's deadline expired (DEV-S22)"
+                   if engine.deadline_expired(request) else None)
+            if why is not None:
+                counts.ops["prefetch not issued: " + why] += 1
                 return
-            if engine.deadline_expired(request):
-                counts.ops["prefetch not issued: the request's deadline expired "
-                           "(DEV-S22)"] += 1
-                return
-            key = self.seen[index % len(self.seen)]
             self.tick(dt)
+            key = self.seen[index % len(self.seen)]
             anchor, node, matched = self.anchor_and_tokens(key)
             before = self.observe()
             hits, allocated = engine.prefetch(key, node, matched, request)
             ps = self.model.config.page_size
-            after = self.observe(adopt=False)
-            if infer.left_host(before, after):
-                # DEV-S7: host room made for all the hits, the anchor protected.
-                self.protect(anchor, +1)
-                self.step("evict_host", ops.evict_host, hits * ps,
-                          infer.host_victims(self.model, before, after, hits * ps))
-                self.protect(anchor, -1)
+            self.made_host_room(before, anchor, hits * ps)
             if 0 < allocated < hits * ps:
                 counts.ops["hit drain allocated part of the hits (DEV-S21)"] += 1
             pages = allocated // ps if allocated else hits
@@ -156,23 +184,17 @@ def make_machine(engine: str, scenario: Scenario,
         @precondition(lambda self: self.attached() and self.drainable())
         @rule()
         def drain(self) -> None:
-            """The transfers run, then the scheduler drains every control queue."""
-            for request in self.hung_below_device_only():
-                counts.ops["prefetch aborted before the drain: its pages run below a "
-                           "device-only page (DEV-S5)"] += 1
+            """What a scheduler pass does: the transfers run (after the DEV-S5 aborts),
+            every control queue is drained, the prefetches whose transfer finished end."""
+            hung = self.hung_below_device_only()
+            counts.ops["prefetch aborted before the drain: its pages run below a "
+                       "device-only page (DEV-S5)"] += len(hung)
+            for request in hung:
                 self.abort(request)
                 self.engine_refines_the_model()
             self.engine.pump_fetch()
             acks = self.engine.current_acks()
-            ps = self.model.config.page_size
-            for ack in acks:
-                if ack.completed_tokens is None:
-                    continue
-                p = self.storage().prefetch_of(ack.rid)
-                assert p is not None and p.phase == "fetching", (ack.rid, p)
-                pages = ack.completed_tokens // ps
-                self.sstep("io_prefetch_fetch", ops.io_prefetch_fetch, ack.rid,
-                           pages - p.landed, fault=None if pages == p.hit_pages else "short")
+            self.land([ack for ack in acks if ack.completed_tokens is not None])
             self.engine.drain()
             if self.engine.releases_queued():
                 # DEV-S24: the drain counts each queue before it starts; the slots an
@@ -185,6 +207,18 @@ def make_machine(engine: str, scenario: Scenario,
                     self.sstep("terminate_prefetch", ops.terminate_prefetch, request)
                 assert self.end_prefetch(request)
             self.sstep("drain_storage_queues", ops.drain_storage_queues)
+
+        def land(self, acks: list[Any]) -> None:
+            """The model's ``io_prefetch_fetch`` for each progress acknowledgement: the
+            pages landed since the last, short where fewer than the hits."""
+            ps = self.model.config.page_size
+            for ack in acks:
+                fetch = self.storage().prefetch_of(ack.rid)
+                assert fetch is not None and fetch.phase == "fetching", (ack.rid, fetch)
+                total = ack.completed_tokens // ps
+                self.sstep("io_prefetch_fetch", ops.io_prefetch_fetch, ack.rid,
+                           total - fetch.landed,
+                           fault="short" if total != fetch.hit_pages else None)
 
         @precondition(lambda self: self.attached() and bool(self.engine.cache.ongoing_prefetch))
         @rule(request=st.sampled_from(REQUESTS), dt=st.integers(0, 4))
@@ -199,6 +233,18 @@ def make_machine(engine: str, scenario: Scenario,
                 self.restart(request, since)
             want = self.end_prefetch(request)
             assert got == want, f"check_prefetch_progress: SGLang {got}, model {want}"
+
+        def made_host_room(self, before: State, anchor: Key | None, tokens: int) -> None:
+            """DEV-S7: the hit drain evicted host pages for all the hits (``tokens``),
+            with the anchor protected since issue (DEV-S14): the model evicts the same
+            pages, the anchor's protection counted for that step only."""
+            after = self.observe(adopt=False)
+            if not infer.left_host(before, after):
+                return
+            victims = infer.host_victims(self.model, before, after, tokens)
+            self.protect(anchor, +1)
+            self.step("evict_host", ops.evict_host, tokens, victims)
+            self.protect(anchor, -1)
 
         def end_prefetch(self, request: str) -> bool:
             """The model's ``check_prefetch_progress``. Pages it hangs under the root
@@ -223,33 +269,40 @@ def make_machine(engine: str, scenario: Scenario,
                                           for p in storage.prefetches)))
 
         @precondition(lambda self: self.attached() and bool(self.seen))
-        @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63),
-              fresh=st.none() | st.tuples(tokens, namespaces), evict=st.integers(0, 24),
-              run=st.booleans(), dt=st.integers(0, 4))
-        def cycle(self, request: str, index: int, fresh: tuple[tuple[int, ...], str | None] | None,
-                  evict: int, run: bool, dt: int) -> None:
-            """A request's round trip: served, backed up to host and storage, evicted
-            from both tiers, prefetched back, fetched (``run``) and polled."""
+        @rule(request=st.sampled_from(REQUESTS), run=st.booleans(), dt=st.integers(0, 4),
+              evict=st.integers(0, 24), index=st.integers(0, 63),
+              fresh=st.none() | st.tuples(tokens, namespaces))
+        def cycle(self, request: str, run: bool, dt: int, evict: int, index: int,
+                  fresh: tuple[tuple[int, ...], str | None] | None) -> None:
+            """A request's round trip, each step checked: served (a fresh one, or one
+            seen), its copies settled to host and storage, evicted from both tiers,
+            prefetched back, fetched (``run``) and polled."""
             if fresh is not None:
                 self.request(*fresh, dt=0, chunked=False, priority=0, keep_lock=False)
                 self.engine_refines_the_model()
                 index = len(self.seen) - 1
-            steps: list[tuple[Any, Any]] = [
-                (self.writing_check, lambda: any(t.direction == "d2h"
-                                                 for t in self.model.pending)),
-                (self.backup, lambda: not self.engine.controller.backup_queue.empty()),
-                (self.drain, self.drainable)]
-            for step, ready in steps:
+            self.settle()
+            if evict:
+                for evict_tier in (self.evict_both, self.evict_host):
+                    evict_tier(evict)
+                self.engine_refines_the_model()
+            if not self.engine.has_prefetch(request):
+                self.prefetch(request, index, 0)
+                self.follow(request, run, dt)
+
+        def settle(self) -> None:
+            """Every pending host copy acknowledged, backups to storage run, the control
+            queues drained: each where it has something to do, checked after."""
+            for ready, step in ((lambda: bool(self.model.pending) and any(
+                    t.direction == "d2h" for t in self.model.pending), self.writing_check),
+                    (lambda: not self.engine.controller.backup_queue.empty(), self.backup),
+                    (self.drainable, self.drain)):
                 if ready():
                     step()
                     self.engine_refines_the_model()
-            if evict:
-                self.evict_both(evict)
-                self.evict_host(evict)
-                self.engine_refines_the_model()
-            if self.engine.has_prefetch(request):
-                return
-            self.prefetch(request, index, 0)
+
+        def follow(self, request: str, run: bool, dt: int) -> None:
+            """After a prefetch was issued: the drain (``run``), then a poll."""
             if not self.engine.has_prefetch(request):
                 return
             self.engine_refines_the_model()
@@ -258,13 +311,6 @@ def make_machine(engine: str, scenario: Scenario,
                 self.engine_refines_the_model()
             if self.engine.has_prefetch(request):
                 self.progress(request, dt)
-
-        @invariant()
-        def engine_refines_the_model(self) -> None:
-            self.compare(self.mapped(self.observe()))
-            problems = self.storage_differences()
-            assert not problems, "storage tier: " + "; ".join(problems)
-            self.tally_step()
 
     for name, member in shared.items():
         setattr(SglangUnifiedStorage, name, member)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from hiradix.conformance.adapters import sglang_unified
+from hiradix.conformance.adapters import sglang_storage, sglang_unified
 from hiradix.conformance.adapters.base import EngineAdapter, probe_engine
 from hiradix.conformance.adapters.sglang_storage import (
     NO_LIMIT,
@@ -58,7 +58,7 @@ from hiradix_model import Key, State, StorageSettings
 
 VERSIONS = ("0.5.23",)
 # ``priority`` is left out as in sglang-storage (DEV-S17); ``tlru`` is not the model's.
-STRATEGIES = ("lru", "lfu", "fifo", "mru", "filo", "slru")
+STRATEGIES = sglang_storage.STRATEGIES
 _STORAGE_MODULES = {
     "controller": "sglang.srt.managers.cache_controller",
     "hybrid": "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
@@ -99,24 +99,25 @@ def prepare_storage() -> SimpleNamespace:
     return _STORAGE_ENV
 
 
+# What the adapter calls: the cache's storage API, and the controller's thread functions.
+CACHE_CALLS = ("attach_storage_backend", "detach_storage_backend", "clear_storage_backend",
+               "prefetch_from_storage", "query_storage_hit_length", "check_prefetch_progress",
+               "release_aborted_request", "pop_prefetch_loaded_tokens",
+               "_drain_storage_control_queues_impl", "drain_storage_control_queues")
+CONTROLLER_CALLS = ("allocate_storage_hit", "prefetch_thread_func", "prefetch_io_aux_func",
+                    "prefetch_sync_thread_func", "backup_thread_func")
+
+
 def probe(engine: str) -> str:
     """The installed SGLang version, if this adapter can drive its storage tier."""
     def load() -> None:
         senv = prepare_storage()
-        cache = senv.unified.modules["uni"].UnifiedRadixCache
-        for name in ("attach_storage_backend", "detach_storage_backend",
-                     "prefetch_from_storage", "check_prefetch_progress",
-                     "release_aborted_request", "pop_prefetch_loaded_tokens",
-                     "drain_storage_control_queues", "_drain_storage_control_queues_impl",
-                     "query_storage_hit_length", "clear_storage_backend"):
-            if not callable(getattr(cache, name, None)):
-                raise AttributeError(f"UnifiedRadixCache has no {name}")
-        controller = senv.modules["hybrid"].HybridCacheController
-        for name in ("prefetch_thread_func", "prefetch_io_aux_func",
-                     "prefetch_sync_thread_func", "backup_thread_func",
-                     "allocate_storage_hit"):
-            if not callable(getattr(controller, name, None)):
-                raise AttributeError(f"HybridCacheController has no {name}")
+        for owner, names in ((senv.unified.modules["uni"].UnifiedRadixCache, CACHE_CALLS),
+                             (senv.modules["hybrid"].HybridCacheController,
+                              CONTROLLER_CALLS)):
+            missing = [n for n in names if not callable(getattr(owner, n, None))]
+            if missing:
+                raise AttributeError(f"{owner.__name__} lacks {', '.join(missing)}")
     return probe_engine(engine, "sglang", VERSIONS, "UnifiedRadixCache's storage tier",
                         SETUP, load)
 
@@ -234,25 +235,21 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
         return int(self.cache.query_storage_hit_length(
             node.id, array("q", key.tokens[matched:]), last_hash, extra_key=key.namespace))
 
+    def tracked(self, operation: Any) -> bool:
+        """Whether ``operation`` is the one SGLang's prefetch entry for its handle holds
+        (a transfer or an ack may outlive the prefetch that queued it, DEV-S18)."""
+        entry = self.cache.ongoing_prefetch.get(operation.handle)
+        return entry is not None and entry.operation is operation
+
     def ended_transfers(self) -> list[str]:
-        buffer = self.controller.prefetch_buffer
-        ended = []
-        for operation in [] if buffer is None else list(buffer.queue):
-            if operation is None:
-                continue
-            entry = self.cache.ongoing_prefetch.get(operation.handle)
-            if entry is None or entry.operation is not operation:
-                ended.append(operation.request_id)
-        return ended
+        queue = self.controller.prefetch_buffer
+        waiting = [] if queue is None else [op for op in list(queue.queue) if op is not None]
+        return [op.request_id for op in waiting if not self.tracked(op)]
 
     def current_acks(self) -> list[Any]:
         """The prefetch acknowledgements queued for a prefetch SGLang still tracks."""
-        acks = []
-        for ack in list(self.controller.ack_prefetch_queue.queue):
-            entry = self.cache.ongoing_prefetch.get(ack.operation.handle)
-            if entry is not None and entry.operation is ack.operation:
-                acks.append(ack)
-        return acks
+        return [ack for ack in list(self.controller.ack_prefetch_queue.queue)
+                if self.tracked(ack.operation)]
 
     def waiting_since(self, request: str) -> int | None:
         """The tick of the first admission poll that found ``request``'s prefetch
@@ -274,37 +271,38 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
         return self.tree.node_by_id(node_id)
 
     def prefetches(self) -> dict[str, PrefetchView]:
-        views = {}
-        for handle, entry in self.cache.ongoing_prefetch.items():
-            node = self._node_of(entry.anchor_node_id)
-            anchor = self._page_of(node)
-            base = () if anchor is None else anchor.tokens
-            host = entry.host_indices
-            pages = 0 if host is None else len(host) // self.ps
-            key = entry.prefetch_key
-            views[handle.rid] = PrefetchView(
-                handle.rid, anchor,
-                tuple(Key(base + tuple(key.token_ids[:(i + 1) * self.ps]), key.extra_key)
-                      for i in range(pages)),
-                None if host is None else tuple(host.tolist()))
-        return views
+        return {handle.rid: self._view(handle.rid, entry)
+                for handle, entry in self.cache.ongoing_prefetch.items()}
+
+    def _view(self, request: str, entry: Any) -> PrefetchView:
+        """One ``_OngoingPrefetch``: its anchor page, and the pages its host slots
+        were allocated for (none before the hit drain)."""
+        anchor = self._page_of(self._node_of(entry.anchor_node_id))
+        prefix = () if anchor is None else anchor.tokens
+        slots = None if entry.host_indices is None else tuple(entry.host_indices.tolist())
+        tokens = tuple(entry.prefetch_key.token_ids[:len(slots or ())])
+        pages = tuple(Key(prefix + tokens[:end], entry.prefetch_key.extra_key)
+                      for end in range(self.ps, len(tokens) + 1, self.ps))
+        return PrefetchView(request, anchor, pages, slots)
 
     def writing_check(self) -> int:
-        """The acknowledgements; remembers the pages of each backup to storage they
-        issue (its node may be split later, DEV-S6)."""
-        before = set(self.cache.ongoing_backup)
+        """The acknowledgements; remembers the pages each backup to storage they issue
+        was issued for (its node may be split later)."""
+        known = set(self.cache.ongoing_backup)
         acked = SglangUnifiedAdapter.writing_check(self)
-        queued = {op.id: op for op in list(self.controller.backup_queue.queue)
-                  if op is not None} if self.attached else {}
-        for op_id, (node_id, _) in self.cache.ongoing_backup.items():
-            if op_id in before:
-                continue
-            prefix = self._prefix(self._node_of(node_id))
-            start = len(prefix.tokens) - len(queued[op_id].token_ids)
-            self.backup_issued[op_id] = tuple(
-                Key(prefix.tokens[:end], prefix.namespace)
-                for end in range(start + self.ps, len(prefix.tokens) + 1, self.ps))
+        if self.attached:
+            for op in list(self.controller.backup_queue.queue):
+                if op is not None and op.id not in known:
+                    self.backup_issued[op.id] = self._issued_pages(op)
         return acked
+
+    def _issued_pages(self, op: Any) -> tuple[Key, ...]:
+        """The pages of backup ``op``: the last ``len(op.token_ids)`` tokens of the
+        path to the node it was issued on, page by page."""
+        path = self._prefix(self._node_of(self.cache.ongoing_backup[op.id][0]))
+        first = len(path.tokens) - len(op.token_ids)
+        return tuple(Key(path.tokens[:first + end], path.namespace)
+                     for end in range(self.ps, len(op.token_ids) + 1, self.ps))
 
     def backups(self) -> list[tuple[tuple[Key, ...], tuple[Key, ...]]]:
         return [(self.backup_issued.get(op_id, ()), self.locked_pages(node_id, receipt))
@@ -364,7 +362,6 @@ def factory(engine: str, scenario: Scenario) -> Callable[[], EngineAdapter]:
 
 
 def scenario_space(engine: str) -> dict[str, tuple[object, ...]]:
-    """The scenario values the adapter takes (the suite's CLI uses it)."""
-    return {"host_layout": ("layer_first",), "kv_layout": ("mha",),
-            "write_policy": ("write_through", "write_through_selective"),
-            "eviction": STRATEGIES}
+    """The scenario values the adapter takes: those of the HiRadixCache storage adapter
+    (its function reads no engine name)."""
+    return sglang_storage.scenario_space(engine)
