@@ -11,12 +11,12 @@ victims no legal order explains is passed on as it is, and the model rejects it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 from hiradix_model import Backup, Key, State, Victim
 from hiradix_model.keys import page_keys, parent_page, sort_key
-from hiradix_model.state import Page, device_evictable_leaves, host_evictable_leaves
+from hiradix_model.state import Page, device_evictable_leaves, host_evictable_leaves, subtree
 from hiradix_model.strategies import eviction_key
 
 Leaves = Callable[[State], set[Key]]
@@ -35,6 +35,26 @@ def left_host(before: State, after: State) -> set[Key]:
             if p.device is None and p.host is not None and k not in after.pages}
 
 
+def _next(strategy: str, pages: dict[Key, Page], leaves: set[Key], allowed: Iterable[Key],
+          previous: Key | None, met: bool, ps: int) -> list[Key]:
+    """The pages of ``allowed`` that R1 lets follow ``previous``: minimal-rank leaves
+    (minimal among *all* ``leaves``: a victim must outrank those the engine kept too),
+    only the previous victim's parent once the target is ``met``, and that parent first
+    otherwise (DEV-10: an engine finishes the node it started)."""
+    if not leaves:
+        return []
+    best = min(eviction_key(strategy, pages[k]) for k in leaves)
+    ties = sorted((k for k in leaves & set(allowed) if eviction_key(strategy, pages[k]) == best),
+                  key=sort_key)
+    chain = parent_page(previous, ps) if previous else None
+    if met:
+        return [chain] if chain in ties else []
+    if chain in ties:
+        ties.remove(chain)
+        ties.insert(0, chain)
+    return ties
+
+
 def _order(model: State, gone: set[Key], leaves_of: Leaves,
            remove: Callable[[dict[Key, Page], Key], None], target: int) -> list[Key]:
     """An order of ``gone`` that R1 allows for ``target`` tokens, found by a bounded
@@ -50,18 +70,8 @@ def _order(model: State, gone: set[Key], leaves_of: Leaves,
         leaves = leaves_of(replace(model, pages=pages))
         if not leaves & remaining or budget[0] < 0:
             return None
-        # Minimal among *all* evictable leaves: a victim must outrank those the engine
-        # kept too, or this order is not the one it took.
-        best = min(eviction_key(strategy, pages[k]) for k in leaves)
-        ties = sorted((k for k in leaves & remaining
-                       if eviction_key(strategy, pages[k]) == best), key=sort_key)
-        chain = parent_page(previous, ps) if previous else None
-        if len(order) * ps >= target:  # target met: only the previous victim's chain
-            ties = [chain] if chain in ties else []
-        elif chain in ties:
-            ties.remove(chain)
-            ties.insert(0, chain)
-        for pick in ties:
+        for pick in _next(strategy, pages, leaves, remaining, previous,
+                          len(order) * ps >= target, ps):
             after = dict(pages)
             remove(after, pick)
             found = search(after, remaining - {pick}, [*order, pick], pick)
@@ -86,11 +96,136 @@ def _drop_host(pages: dict[Key, Page], key: Key) -> None:
 
 def device_victims(model: State, before: State, after: State,
                    target: int) -> tuple[Victim, ...]:
-    """The device eviction for ``target`` tokens between ``before`` and ``after``
-    (write-through policies, or no host tier: a victim only loses its device copy)."""
+    """The device eviction for ``target`` tokens between ``before`` and ``after``.
+    Under the write-through policies (or with no host tier) a victim only loses its
+    device copy; under ``write_back`` it may be backed up or dropped (``WriteBack``)."""
     gone = left_device(before, after)
+    if model.config.write_policy == "write_back" and gone:
+        return WriteBack(model, before, after, target).victims(gone)
     return tuple(Victim(k) for k in
                  _order(model, gone, device_evictable_leaves, _drop_device, target))
+
+
+Outcome = tuple[Victim, dict[Key, Page], frozenset[int]]
+
+
+class WriteBack:
+    """The victims of a ``write_back`` eviction (spec/03 3.8), found by a bounded search
+    that replays 3.8 on the model's pages and keeps to what ``after`` shows.
+
+    A victim with a host copy loses its device copy. One without is backed up: first the
+    host victims of R2 for the shortfall ``P - |host_free|`` (host-only pages that are gone
+    in ``after``; their order by R1, searched over the ties), then either
+
+    - the host slots it holds in ``after``;
+    - none, if it is gone and the host still has no room: it is dropped with its subtree
+      (every page of which must be gone);
+    - or, if it is gone although the host had room, a free host page: it was backed up
+      and left the host again within the same call (a later victim's host victim, or
+      below a later drop). Those slots are not observable, and the model keeps no bytes
+      for freed slots, so the search tries each free host page (one free in ``after``
+      first; a later victim may have taken it once it was free again).
+
+    A load (spec/03 3.12) protects its chain from host eviction while it makes room,
+    loaded or not, and the caller does not say which chain that is. So when no sequence
+    explains ``after`` with every unprotected host leaf ranked, the search runs again
+    with the host leaves still cached in ``after`` left out of the ranks. That cannot hide
+    an illegal choice: the model, which knows the protections, judges the report.
+    """
+
+    def __init__(self, model: State, before: State, after: State, target: int) -> None:
+        self.model, self.after, self.target = model, after, target
+        self.ps, self.strategy = model.config.page_size, model.config.eviction
+        self.vanished = frozenset(k for k in before.pages if k not in after.pages)
+        self.budget = BUDGET
+        self.relaxed = False
+
+    def victims(self, gone: set[Key]) -> tuple[Victim, ...]:
+        for relaxed in (False, True):
+            self.relaxed, self.budget = relaxed, BUDGET
+            found = self._devices(dict(self.model.pages), frozenset(self.model.host_free),
+                                  frozenset(gone), (), None)
+            if found is not None:
+                return found
+        # None explains ``after``: a plain report for the model to reject, with the slots
+        # each victim shows.
+        return tuple(Victim(k, (), self.after.pages[k].host if k in self.after.pages else None)
+                     if self.model.pages[k].host is None else Victim(k)
+                     for k in sorted(gone, key=sort_key))
+
+    def _devices(self, pages: dict[Key, Page], host_free: frozenset[int],
+                 remaining: frozenset[Key], done: tuple[Victim, ...],
+                 previous: Key | None) -> tuple[Victim, ...] | None:
+        if not remaining:
+            return done if not self.vanished & pages.keys() else None
+        self.budget -= 1
+        if self.budget < 0:
+            return None
+        leaves = device_evictable_leaves(replace(self.model, pages=pages))
+        for pick in _next(self.strategy, pages, leaves, remaining, previous,
+                          len(done) * self.ps >= self.target, self.ps):
+            for victim, now, free in self._outcomes(pages, host_free, pick):
+                found = self._devices(now, free, remaining - {pick}, (*done, victim), pick)
+                if found is not None:
+                    return found
+        return None
+
+    def _outcomes(self, pages: dict[Key, Page], host_free: frozenset[int],
+                  key: Key) -> Iterator[Outcome]:
+        """Each way 3.8 lets ``key`` leave the device that ``after`` allows."""
+        record = pages[key]
+        if record.host is not None:
+            yield Victim(key), {**pages, key: replace(record, device=None)}, host_free
+            return
+        landed = self.after.pages.get(key)
+        shortfall = max(0, self.ps - len(host_free))
+        for host_victims, now, free in self._host_room(pages, host_free, shortfall, (), None):
+            if landed is None and len(free) < self.ps:
+                doomed = set(subtree(replace(self.model, pages=now), key))
+                if doomed - {key} <= self.vanished:
+                    freed = {s for k in doomed for s in now[k].host or ()}
+                    yield (Victim(key, host_victims, None),
+                           {k: p for k, p in now.items() if k not in doomed}, free | freed)
+                continue
+            if landed is None:
+                choices = self._transient_slots(free)
+            elif landed.host is not None and set(landed.host) <= free:
+                choices = [landed.host]
+            else:
+                choices = []
+            for slots in choices:
+                yield (Victim(key, host_victims, slots),
+                       {**now, key: replace(record, device=None, host=slots)},
+                       free - set(slots))
+
+    def _host_room(self, pages: dict[Key, Page], host_free: frozenset[int], shortfall: int,
+                   done: tuple[Key, ...], previous: Key | None) -> Iterator[tuple[
+                       tuple[Key, ...], dict[Key, Page], frozenset[int]]]:
+        """The R1 sequences of host victims for ``shortfall`` slots (R2), shortest first."""
+        self.budget -= 1
+        if self.budget < 0:
+            return
+        leaves = host_evictable_leaves(replace(self.model, pages=pages))
+        if self.relaxed:
+            leaves &= self.vanished
+        met = len(done) * self.ps >= shortfall
+        if met or not leaves:
+            yield done, pages, host_free
+        for pick in _next(self.strategy, pages, leaves, leaves & self.vanished, previous, met,
+                          self.ps):
+            slots = pages[pick].host or ()
+            rest = {k: p for k, p in pages.items() if k != pick}
+            yield from self._host_room(rest, host_free | set(slots), shortfall,
+                                       (*done, pick), pick)
+
+    def _transient_slots(self, host_free: frozenset[int]) -> list[tuple[int, ...]]:
+        """The free host pages a page backed up and gone again may have held: those free
+        in ``after`` first, then those a later victim took once it had left."""
+        ps = self.ps
+        whole = sorted((s for s in host_free
+                        if s % ps == 0 and all(s + j in host_free for j in range(ps))),
+                       key=lambda s: (s not in self.after.host_free, s))
+        return [tuple(range(s, s + ps)) for s in whole]
 
 
 def host_victims(model: State, before: State, after: State, target: int) -> tuple[Key, ...]:
