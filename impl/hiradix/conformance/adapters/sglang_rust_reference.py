@@ -1,0 +1,163 @@
+"""The Python tree core as the Rust-core adapter's reference (spec/07r DEV-R1, "reading
+the stamps off the reference core").
+
+The Rust core hides each node's recency, creation time, hit count and priority. The
+Python core keeps the same fields in Python. ``PythonReference`` is a device-tier
+``UnifiedRadixCache`` on the Python core, built like the adapter's Rust-core cache, that
+the adapter gives every call it gives the Rust core (match, lock, alloc, insert, free,
+evict, reset), with the suite's clock as its time counter (DEV-21, ``UnifiedClock``) and
+its leaf sets insertion-ordered (DEV-20).
+
+The adapter then checks, after every step, that the two cores hold the same pages at
+the same device slots with the same lock counts, and that every call returned the same
+(``Parted`` otherwise: the Rust core differs from its reference, a finding of its own).
+Only then does it read the four hidden fields off the reference, per page. So an
+eviction the Rust core makes is judged by the model under the stamps the Python core
+gave the same pages, as the Python-core adapter judges it (DEV-1 adopted); a Rust core
+whose recency differed from the Python core's would evict otherwise and part from the
+reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hiradix.conformance.adapters.sglang import _InsertionOrdered, device_pools
+from hiradix.conformance.adapters.sglang_unified import UnifiedClock, UnifiedEnv, radix_key
+from hiradix.conformance.scenario import Scenario
+from hiradix_model import Key
+
+
+class Parted(AssertionError):
+    """The Rust core and the Python reference core answered the same call differently,
+    or hold different trees."""
+
+
+@dataclass(frozen=True)
+class Stamps:
+    """A page's hidden fields, as the Python core keeps them."""
+
+    hits: int
+    last_tick: int
+    insert_tick: int
+    priority: int
+
+
+class PythonReference:
+    """A device-tier ``UnifiedRadixCache`` on the Python tree core, for one scenario."""
+
+    def __init__(self, env: UnifiedEnv, scenario: Scenario) -> None:
+        m = env.modules
+        self.env, self.ps = env, scenario.page_size
+        env.clock.now = 0  # not the previous cache's last tick
+        _, self.allocator = device_pools(m, self.ps, scenario.device_pages,
+                                         scenario.kv_layout)
+        self.full = m["components"].ComponentType.FULL
+        self.cache = m["urc"].UnifiedRadixCache(m["params"].CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
+            page_size=self.ps, eviction_policy=scenario.eviction,
+            tree_components=(self.full,), tree_core_backend="python"))
+        self.tree = self.cache.tree_core
+        if type(self.tree) is not m["core"].UnifiedTreeCore:
+            raise Parted(f"the reference is not the Python tree core: {type(self.tree)}")
+        self._order_leaf_sets()
+        self.receipts: dict[Key | None, list[Any]] = {}
+
+    def _order_leaf_sets(self) -> None:
+        """DEV-20: leaf sets hashed by address, rebuilt on reset: ordered again."""
+        self.tree.evictable_device_leaves = _InsertionOrdered(self.tree.evictable_device_leaves)
+        self.tree.evictable_host_leaves = _InsertionOrdered(self.tree.evictable_host_leaves)
+
+    @staticmethod
+    def agree(what: str, rust: object, python: object) -> None:
+        if rust != python:
+            raise Parted(f"{what}: the Rust core gives {rust}, the Python core {python} "
+                         f"(spec/07r: the Rust core parts from its reference)")
+
+    # -- the calls, mirrored ------------------------------------------------------------
+
+    def set_time(self, now: int) -> None:
+        self.env.clock.now = now
+
+    def _node(self, page: Key | None) -> Any:
+        """The node that ends at ``page``."""
+        node, done = self.tree.root_node, 0
+        while page is not None and done < len(page.tokens):
+            for child in node.children.values():
+                width = len(child.key)
+                if (child.key.extra_key == page.namespace
+                        and tuple(child.key.token_ids) == page.tokens[done:done + width]):
+                    node, done = child, done + width
+                    break
+            else:
+                raise Parted(f"the Python core has no node ending at {page}")
+        return node
+
+    def match_prefix(self, key: Key) -> int:
+        got = self.cache.match_prefix(self.env.modules["base"].MatchPrefixParams(
+            key=radix_key(self.env, key)))
+        return int(got.device_prefix_len)
+
+    def inc_lock_ref(self, page: Key | None) -> int:
+        result = self.cache.inc_lock_ref(self._node(page).id)
+        self.receipts.setdefault(page, []).append(result.to_dec_params())
+        return int(result.delta or 0)
+
+    def dec_lock_ref(self, page: Key | None) -> int:
+        receipt = self.receipts[page].pop()
+        before = int(self.cache.evictable_size())
+        self.cache.dec_lock_ref(receipt.node_id, receipt)
+        return int(self.cache.evictable_size()) - before
+
+    def alloc(self, num_tokens: int) -> list[int] | None:
+        slots = self.allocator.alloc(num_tokens)
+        return None if slots is None else slots.tolist()
+
+    def free(self, engine_slots: torch.Tensor) -> None:
+        self.allocator.free(engine_slots)
+
+    def insert(self, params: Any) -> int:
+        return int(self.cache.insert(params).prefix_len)
+
+    def evict(self, num_tokens: int) -> int:
+        result = self.cache.evict(self.env.modules["base"].EvictParams(num_tokens=num_tokens))
+        return int(result.num_tokens_evicted)
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self._order_leaf_sets()
+        self.allocator.clear()
+        self.receipts.clear()
+
+    # -- what it shows ------------------------------------------------------------------
+
+    def pages(self) -> dict[Key, tuple[tuple[int, ...], int, Stamps]]:
+        """Each page's SGLang device slots, lock count and stamps."""
+        found: dict[Key, tuple[tuple[int, ...], int, Stamps]] = {}
+        stack: list[tuple[Any, tuple[int, ...]]] = [(self.tree.root_node, ())]
+        while stack:
+            node, prefix = stack.pop()
+            for child in node.children.values():
+                tokens = prefix + tuple(child.key.token_ids)
+                data = child.component_data[self.full]
+                value: Sequence[int] = data.value.tolist()
+                stamps = Stamps(child.hit_count, UnifiedClock.tick_of(child.last_access_time),
+                                UnifiedClock.tick_of(child.creation_time), child.priority)
+                for end in range(len(prefix) + self.ps, len(tokens) + 1, self.ps):
+                    cut = end - len(prefix)
+                    found[Key(tokens[:end], child.key.extra_key)] = (
+                        tuple(value[cut - self.ps:cut]), data.lock_ref, stamps)
+                stack.append((child, tokens))
+        return found
+
+    def totals(self) -> tuple[int, int, int]:
+        """Evictable and protected tokens, free slots."""
+        return (int(self.cache.evictable_size()), int(self.cache.protected_size()),
+                int(self.allocator.available_size()))
+
+    def close(self) -> None:
+        self.receipts.clear()
