@@ -49,14 +49,13 @@ def rust_tree_core() -> None:
 SCENARIOS = [Scenario(page_size=ps, eviction=strategy, kv_layout=kv)  # type: ignore[arg-type]
              for ps, strategy, kv in [(1, "lru", "mha"), (2, "priority", "mha"),
                                       (4, "fifo", "mha"), (1, "lfu", "mha"),
-                                      (2, "lfu", "mla")]]
+                                      (2, "lfu", "mla"), (2, "lru", "mha")]]
 
 
 def bounded() -> settings:
-    """Derandomized: the Rust core's recency cannot be read, so DEV-1 (a split stamps the
-    unmatched suffix) cannot be adopted and a random example that ties on recency after
-    a split diverges for a known reason (spec/07r DEV-R1). A fixed set of examples keeps
-    this test about everything else, reproducibly."""
+    """A fixed set of examples (derandomized), so that the test is reproducible; random
+    examples are the campaign's (hiradix check). The hidden fields come from the Python
+    reference core (spec/07r DEV-R1), so recency-ranked strategies run too."""
     current = settings()
     return settings(current, max_examples=max(1, current.max_examples // 15), derandomize=True,
                     database=None)
@@ -65,6 +64,14 @@ def bounded() -> settings:
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.slug())
 def test_the_rust_core_refines_the_model(scenario: Scenario) -> None:
     run_state_machine_as_test(make_differential(factory(ENGINE, scenario)), settings=bounded())
+
+
+@pytest.fixture
+def without_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter without its Python reference core: the hidden fields (DEV-R1) are the
+    model's, and nothing is adopted."""
+    from hiradix.conformance.adapters.sglang_rust import SglangRustAdapter
+    monkeypatch.setattr(SglangRustAdapter, "_reference", lambda self, scenario: None)
 
 
 def _machine(page_size: int = 1) -> Any:
@@ -227,7 +234,35 @@ def test_a_slot_the_tree_owns_freed_behind_its_back_fails_the_audit() -> None:
     machine.teardown()
 
 
-def test_unobservable_fields_are_declared_and_only_those_come_from_the_model() -> None:
+def test_hidden_fields_come_from_the_reference_core_not_the_model() -> None:
+    """spec/07r DEV-R1: with the Python reference core, a model with other values in the
+    four hidden fields does not move what observe reports: those are the Python core's
+    (recency adopted, the others compared)."""
+    machine = _machine()
+    adapter = machine.engine
+    assert set(adapter.unobservable) == {"hits", "last_tick", "insert_tick", "priority"}
+    assert set(adapter.adopted) == {"last_tick"}
+    pages = {k: replace(p, hits=p.hits + 5, last_tick=p.last_tick + 5, priority=7)
+             for k, p in machine.model.pages.items()}
+    assert adapter.observe(replace(machine.model, pages=pages)) == machine.model
+    machine.teardown()
+
+
+def test_a_rust_core_that_parts_from_its_reference_is_caught() -> None:
+    """The reference is checked before it is read: a reference that evicted a page the
+    Rust core still holds is reported (Parted), not used."""
+    from hiradix.conformance.adapters.sglang_rust_reference import Parted
+    machine = _machine()
+    adapter = machine.engine
+    assert adapter.reference is not None
+    assert adapter.reference.evict(1) > 0
+    with pytest.raises(Parted, match="pages"):
+        adapter.observe(machine.model)
+    machine.teardown()
+
+
+@pytest.mark.usefixtures("without_reference")
+def test_without_the_reference_the_hidden_fields_are_the_models() -> None:
     machine = _machine()
     adapter = machine.engine
     assert set(adapter.unobservable) == {"hits", "last_tick", "insert_tick", "priority"}
@@ -301,10 +336,11 @@ LRU_SPLIT = [((1, 2, 3, 1, 1), True, False, 0), ((1, 3, 2, 1), False, True, 1),
              ((1, 2, 1, 2, 2, 1, 1), True, False, 1)]
 
 
+@pytest.mark.usefixtures("without_reference")
 def test_dev_r1_p2_lru_the_shrunk_campaign_finding_diverges_on_the_rust_core() -> None:
-    """The campaign's p2/lru divergence, shrunk by removing steps: the engine's victim is
-    the newer entry, which the model (not knowing the split stamped the older one,
-    DEV-R1) judges illegal."""
+    """The campaign's p2/lru divergence, shrunk by removing steps: without the reference
+    core, the engine's victim is the newer entry, which the model (not knowing the split
+    stamped the older one, DEV-R1) judges illegal."""
     from hiradix_model.errors import IllegalChoice
     machine = make_differential(factory(ENGINE, Scenario(page_size=2, eviction="lru")))()
     try:
@@ -313,6 +349,20 @@ def test_dev_r1_p2_lru_the_shrunk_campaign_finding_diverges_on_the_rust_core() -
                 machine.request(tokens=tokens, namespace=None, dt=dt, chunked=chunked,
                                 priority=0, keep_lock=keep)
                 machine.engine_refines_the_model()
+    finally:
+        machine.teardown()
+
+
+def test_dev_r1_p2_lru_with_the_reference_core_the_finding_passes() -> None:
+    """With the Python reference core's stamps adopted (DEV-1), the same three requests
+    agree with the model."""
+    machine = make_differential(factory(ENGINE, Scenario(page_size=2, eviction="lru")))()
+    try:
+        for tokens, keep, chunked, dt in LRU_SPLIT:
+            machine.request(tokens=tokens, namespace=None, dt=dt, chunked=chunked,
+                            priority=0, keep_lock=keep)
+            machine.engine_refines_the_model()
+        assert any(step.op == "evict" for step in machine.trace), "nothing was evicted"
     finally:
         machine.teardown()
 
@@ -328,11 +378,12 @@ def test_dev_r1_p2_lru_both_tree_cores_evict_the_entry_the_split_left_older() ->
     assert kept["rust"] == kept["python"] == [(1, 2), (1, 2, 3, 1)], kept
 
 
+@pytest.mark.usefixtures("without_reference")
 def test_dev_r1_p2_lfu_the_shrunk_campaign_finding_still_diverges() -> None:
     """spec/07r, the p2/lfu finding shrunk to seven steps (by removing steps from a
-    random campaign's example): the engine evicts (3, 3) where the model ranks another
-    leaf lower. Not yet confirmed on the Python core (open in spec/07r); if this test
-    fails, the example no longer diverges and the open item should be revisited."""
+    random campaign's example): without the reference core, the engine evicts (3, 3)
+    where the model ranks another leaf lower. Classified (DEV-1 seen through DEV-R1) in
+    test_sglang_rust_lockstep.py."""
     from hiradix_model.errors import IllegalChoice
     machine = make_differential(factory(ENGINE, Scenario(page_size=2, eviction="lfu")))()
     steps: list[tuple[str, dict[str, Any]]] = [

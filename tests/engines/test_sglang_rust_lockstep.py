@@ -4,8 +4,10 @@ Python tree core by serving the same steps to both through ``UnifiedRadixCache``
 and adopts SGLang's stamps (DEV-1).
 
 A finding is classified "DEV-1 seen through DEV-R1" when three things hold: the Rust-core
-adapter reports it, both cores keep the same slots after every step (so the Rust core
-evicts what the Python core evicts), and the Python-core adapter passes the same steps.
+adapter without its reference core (the hidden fields the model's) reports it, both cores
+keep the same slots after every step (so the Rust core evicts what the Python core
+evicts), and the Python-core adapter passes the same steps. The Rust-core adapter with
+its reference core (the default) then passes them too.
 
 Run from the 0.5.23 environment (``make sglang23-env``).
 """
@@ -103,16 +105,21 @@ def _cores_agree_throughout(scenario: Scenario, steps: list[Step]) -> int:
     (Scenario(page_size=1, eviction="lfu"), P1_LFU, "Key(tokens=(1,)"),
 ], ids=["p2-lfu", "p1-lfu"])
 def test_dev_r1_lfu_findings_are_dev_1_the_python_core_evicts_the_same(
-        scenario: Scenario, steps: list[Step], victim: str) -> None:
-    """spec/07r: the p2/lfu and p1/lfu findings. The Rust-core adapter reports the
-    victim (the model, not knowing the split's stamp, ranks another leaf lower); the two
-    cores keep the same slots after every step, evictions included; and the Python-core
-    adapter, which adopts SGLang's stamps (DEV-1), passes the same steps. So the Rust
-    core evicts what the Python core evicts: DEV-1 seen through DEV-R1, not a bug."""
-    found = _on_adapter("sglang-unified-rust", scenario, steps)
-    assert found is not None and found.startswith(f"victims[0]: {victim}"), found
+        scenario: Scenario, steps: list[Step], victim: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """spec/07r: the p2/lfu and p1/lfu findings. The two cores keep the same slots after
+    every step, evictions included; the Python-core adapter, which adopts SGLang's stamps
+    (DEV-1), passes the same steps, and so does the Rust-core adapter reading the stamps
+    off its reference core. Without the reference it reports the victim (the model, not
+    knowing the split's stamp, ranks another leaf lower). So the Rust core evicts what
+    the Python core evicts: DEV-1 seen through DEV-R1, not a Rust-core bug."""
+    assert _on_adapter("sglang-unified-rust", scenario, steps) is None  # with the reference
     assert _cores_agree_throughout(scenario, steps) > 0, "no eviction: nothing was compared"
     assert _on_adapter("sglang-unified", scenario, steps) is None
+    from hiradix.conformance.adapters.sglang_rust import SglangRustAdapter
+    monkeypatch.setattr(SglangRustAdapter, "_reference", lambda self, scenario: None)
+    found = _on_adapter("sglang-unified-rust", scenario, steps)
+    assert found is not None and found.startswith(f"victims[0]: {victim}"), found
 
 
 def test_the_lockstep_sees_a_core_that_evicts_differently() -> None:

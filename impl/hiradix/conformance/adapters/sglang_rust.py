@@ -102,6 +102,7 @@ from hiradix.conformance.adapters.sglang import (
     token_shape,
     write_device_kv,
 )
+from hiradix.conformance.adapters.sglang_rust_reference import PythonReference, Stamps
 from hiradix.conformance.adapters.sglang_unified import (
     from_engine,
     prepare,
@@ -215,9 +216,15 @@ class SglangRustAdapter:
         self.config = Config(page_size=ps, device_slots=device_slots, host_slots=0,
                              write_policy="write_through", eviction=scenario.eviction,
                              load_back_threshold=scenario.threshold_pages * ps)
-        # Recency and hit counts cannot be read: the model's are kept (see observe), so
-        # adopting them would be a no-op. Nothing is adopted.
-        self.adopted: Mapping[str, str] = {}
+        self.reference = self._reference(scenario)
+        # Recency and hit counts cannot be read off the Rust core. With the Python core as
+        # reference they are read off it, and its recency is adopted as the Python-core
+        # adapter adopts it; without, the model's are kept and nothing is adopted.
+        self.adopted: Mapping[str, str] = {} if self.reference is None else {
+            "last_tick": "DEV-1 (a split stamps the unmatched suffix), DEV-21 (stamps from a "
+                         "global counter): read off the Python reference core given the same "
+                         "calls, which holds the same pages, slots and locks (DEV-R1)",
+        }
         self.unobservable: Mapping[str, str] = UNOBSERVABLE
         self.mapped: Mapping[str, str] = {
             "slot ids": f"SGLang reserves device page 0 for padding: spec slot = SGLang slot "
@@ -244,6 +251,10 @@ class SglangRustAdapter:
         self.freed_by_tree: set[int] = set()
         self.contents: dict[bytes, Key] = {}  # KV fingerprint -> the content written
         self.high_handle = int(self.core.root_node_handle(None))
+
+    def _reference(self, scenario: Scenario) -> PythonReference | None:
+        """The Python core given the same calls (``sglang_rust_reference``)."""
+        return PythonReference(self.env, scenario)
 
     def _build(self, scenario: Scenario) -> None:
         """The pools and the cache: the device tier only."""
@@ -348,8 +359,10 @@ class SglangRustAdapter:
     # -- the operations -----------------------------------------------------------------
 
     def set_time(self, now: int) -> None:
-        # The Rust core's recency clock is its own (UNOBSERVABLE): nothing to set.
+        # The Rust core's recency clock is its own (UNOBSERVABLE): nothing to set there.
         self.now = now
+        if self.reference is not None:
+            self.reference.set_time(now)
 
     def match_prefix(self, key: Key) -> ops.MatchResult:
         got = self.cache.match_prefix(self.env.modules["base"].MatchPrefixParams(
@@ -358,6 +371,9 @@ class SglangRustAdapter:
         root = self.core.root_node_handle(key.namespace)
         slots = self.core.collect_full_device_indices(got.last_device_node, root)
         assert len(slots) == got.device_prefix_len, (len(slots), got.device_prefix_len)
+        if self.reference is not None:
+            self.reference.agree(f"match_prefix({key}) device prefix", got.device_prefix_len,
+                                 self.reference.match_prefix(key))
         last = None
         if got.device_prefix_len:
             last = Key(key.tokens[:got.device_prefix_len], key.namespace)
@@ -367,19 +383,29 @@ class SglangRustAdapter:
         handle = self._handle(page)
         result = self.cache.inc_lock_ref(handle)
         self.receipts.setdefault(handle, []).append(result.to_dec_params())
+        if self.reference is not None:
+            self.reference.agree(f"inc_lock_ref({page})", int(result.delta),
+                                 self.reference.inc_lock_ref(page))
         return -int(result.delta)  # the tokens it protected: the evictable size drops
 
     def dec_lock_ref(self, page: Key | None) -> int:
         handle = self._handle(page)
         before = int(self.cache.evictable_size())
         self.cache.dec_lock_ref(handle, self.receipts[handle].pop())
-        return int(self.cache.evictable_size()) - before
+        delta = int(self.cache.evictable_size()) - before
+        if self.reference is not None:
+            self.reference.agree(f"dec_lock_ref({page})", delta,
+                                 self.reference.dec_lock_ref(page))
+        return delta
 
     def num_free_slots(self) -> int:
         return int(self.allocator.available_size())
 
     def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
         slots = self.allocator.alloc(num_tokens)
+        if self.reference is not None:
+            self.reference.agree(f"alloc({num_tokens})", None if slots is None
+                                 else slots.tolist(), self.reference.alloc(num_tokens))
         return None if slots is None else self._from_engine(slots)
 
     def free(self, slots: Sequence[int]) -> None:
@@ -388,6 +414,8 @@ class SglangRustAdapter:
         self.freed_by_tree.difference_update(slots)
         if rest:
             self.allocator.free(self._to_engine(rest))
+            if self.reference is not None:
+                self.reference.free(self._to_engine(rest))
 
     def write_kv(self, slots: Sequence[int], contents: Sequence[Key]) -> None:
         values = patterns(list(contents), LAYERS, self.token_shape, DTYPE)
@@ -408,17 +436,26 @@ class SglangRustAdapter:
             prev += 1
         aligned = len(key.tokens) - len(key.tokens) % self.ps
         free_before = self._free_device()
-        result = self.cache.insert(self.env.modules["base"].InsertParams(
-            key=self._key(key), value=self._to_engine(slots), priority=priority,
-            prev_prefix_len=prev,
-            inserted_len=aligned if chunked_only(key, self.ps, chunked, counted_from,
-                                                 self.name) else 0))  # DEV-25
+        inserted = aligned if chunked_only(key, self.ps, chunked, counted_from,
+                                           self.name) else 0  # DEV-25
+
+        def params() -> Any:
+            return self.env.modules["base"].InsertParams(
+                key=self._key(key), value=self._to_engine(slots), priority=priority,
+                prev_prefix_len=prev, inserted_len=inserted)
+        result = self.cache.insert(params())
+        if self.reference is not None:
+            self.reference.agree(f"insert({key}) prefix", int(result.prefix_len),
+                                 self.reference.insert(params()))
         self.freed_by_tree = set(slots) & (self._free_device() - free_before)
         self._seen(int(result.last_device_node))
         return int(result.prefix_len)
 
     def evict(self, num_tokens: int) -> int:
         result = self.cache.evict(self.env.modules["base"].EvictParams(num_tokens=num_tokens))
+        if self.reference is not None:
+            self.reference.agree(f"evict({num_tokens})", int(result.num_tokens_evicted),
+                                 self.reference.evict(num_tokens))
         return int(result.num_tokens_evicted)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -437,6 +474,8 @@ class SglangRustAdapter:
     def reset(self) -> None:
         self.cache.reset()
         self.allocator.clear()
+        if self.reference is not None:
+            self.reference.reset()
         self.receipts.clear()
         self.freed_by_tree.clear()
         self.high_handle = max(self.high_handle, int(self.core.root_node_handle(None)))
@@ -467,10 +506,11 @@ class SglangRustAdapter:
     def observe(self, model: State) -> State:
         nodes = self._scan()
         read = self._pages(nodes)
+        stamps = self._stamps(read)
         pages: dict[Key, Page] = {}
         for key, (slots, _, lock) in read.items():
             assert slots is not None, f"{key}: a device-tier page off the device"
-            known = model.pages.get(key) or Page(None, None)
+            known = stamps.get(key) or model.pages.get(key) or Page(None, None)
             pages[key] = Page(device=self._from_engine(torch.tensor(slots)), host=None,
                               lock=lock, host_protect=0,  # no host tier: nothing to protect
                               hits=known.hits,
@@ -490,6 +530,23 @@ class SglangRustAdapter:
                      evictable_tokens=int(self.cache.evictable_size()),
                      protected_tokens=int(self.cache.protected_size()))
 
+    def _stamps(self, read: Mapping[Key, tuple[tuple[int, ...] | None,
+                                               tuple[int, ...] | None, int]]
+                ) -> Mapping[Key, Stamps]:
+        """The hidden fields per page, off the reference core, once it is shown to hold
+        the same pages at the same slots with the same locks and totals; none without a
+        reference."""
+        if self.reference is None:
+            return {}
+        ref = self.reference.pages()
+        self.reference.agree("pages (device slots, lock)",
+                             {k: (d, lock) for k, (d, _, lock) in read.items()},
+                             {k: (d, lock) for k, (d, lock, _) in ref.items()})
+        self.reference.agree("evictable, protected, free", (
+            int(self.cache.evictable_size()), int(self.cache.protected_size()),
+            int(self.allocator.available_size())), self.reference.totals())
+        return {k: s for k, (_, _, s) in ref.items()}
+
     def _audit(self, nodes: dict[int, _Node], owned: set[int],
                device_free: frozenset[int]) -> None:
         """The engine's own counters agree with the node-by-node reading."""
@@ -505,6 +562,8 @@ class SglangRustAdapter:
 
     def close(self) -> None:
         self.receipts.clear()
+        if self.reference is not None:
+            self.reference.close()
 
 
 def factory(engine: str, scenario: Scenario) -> Callable[[], EngineAdapter]:

@@ -110,6 +110,11 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
         self.loads: dict[int, tuple[int, tuple[Key, ...]]] = {}  # ack -> (seq, pages)
         self.issued = 0
 
+    def _reference(self, scenario: Scenario) -> None:
+        """No reference core on the host tier yet (spec/07r): the hidden fields are the
+        model's."""
+        return None
+
     def _build(self, scenario: Scenario) -> None:
         built = build(self.env, scenario, "rust")
         self.cache, self.kv, self.allocator, self.host = (built.cache, built.kv,
