@@ -1,0 +1,232 @@
+"""The storage tier of SGLang 0.5.23's UnifiedRadixCache (+ HiCacheFile) against the model
+(spec/09 9.10).
+
+Runs under ``.venv-sglang23`` (``make sglang23-env``), e.g.
+``HIRADIX_PROFILE=ci .venv-sglang23/bin/python -m pytest -q
+tests/engines/test_sglang_unified_storage.py``. Skipped where SGLang 0.5.23 is not
+installed; an installed 0.5.23 the adapter cannot drive fails (``engine_env.require``).
+
+Besides a bounded campaign: each prefetch policy driven step by step, and one reproducer
+per divergence of 0.5.23 found (DEV-S22 to DEV-S26).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.tally import Tally
+from hiradix_model import Key, StorageSettings, ops
+
+from engine_env import require
+
+ENGINE = "sglang-unified-storage"
+NO_LIMIT = 10 ** 9
+
+
+@pytest.fixture(autouse=True)
+def sglang_installed() -> str:
+    return require(ENGINE)
+
+
+def machine_class(scenario: Scenario, tally: Tally | None = None) -> Any:
+    from hiradix.conformance.sglang_unified_storage_machine import make_machine
+    return make_machine(ENGINE, scenario, tally)
+
+
+@pytest.fixture
+def state() -> Iterator[Any]:
+    """A fresh machine (page size 1, write_through, lru), storage attached, best_effort."""
+    machine = machine_class(Scenario(page_size=1))()
+    machine.engine_refines_the_model()
+    yield machine
+    machine.teardown()
+
+
+def policy(state: Any, name: str, base: int = 0) -> None:
+    """Detach and attach again with policy ``name`` (an attach over an attached backend
+    updates the policy only, keeping the timeouts), before any page is cached (DEV-S16)."""
+    assert not state.model.pages
+    state.detach(go=0, drain_first=True)
+    state.attach(StorageSettings(prefetch_threshold=1, prefetch_policy=name,  # type: ignore[arg-type]
+                                 timeout_base=base, timeout_per_ki_token=0,
+                                 timeout_max=max(base, 8), prefetch_token_limit=NO_LIMIT), 0)
+    state.engine_refines_the_model()
+
+
+def stored_and_evicted(state: Any, tokens: tuple[int, ...]) -> None:
+    """``tokens`` served, backed up to host and storage, then evicted from both tiers."""
+    state.request(tokens, None, 0, False, 0, False)
+    for step in (state.writing_check, state.backup, state.drain):
+        step()
+        state.engine_refines_the_model()
+    state.evict_both(24)
+    state.evict_host(24)
+    state.engine_refines_the_model()
+    assert not state.model.pages
+
+
+def prefetched(state: Any, tokens: tuple[int, ...]) -> None:
+    """``tokens`` on storage only, then prefetched by r0 (hit query and host slots)."""
+    stored_and_evicted(state, tokens)
+    state.prefetch("r0", 0, 0)
+    state.engine_refines_the_model()
+    assert state.engine.prefetches()["r0"].reserved is not None
+
+
+SCENARIOS = [Scenario(page_size=ps, write_policy=wp, eviction=strategy)  # type: ignore[arg-type]
+             for ps, wp, strategy in ((1, "write_through", "lru"),
+                                      (2, "write_through_selective", "lfu"),
+                                      (4, "write_through", "fifo"))]
+
+
+def bounded() -> settings:
+    current = settings()
+    return settings(current, max_examples=max(1, current.max_examples // 40),
+                    stateful_step_count=min(current.stateful_step_count, 40))
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.slug())
+def test_storage_tier_refines_the_model(scenario: Scenario) -> None:
+    run_state_machine_as_test(machine_class(scenario), settings=bounded())
+
+
+def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:
+    tally = Tally()
+    run_state_machine_as_test(machine_class(Scenario(page_size=1), tally),
+                              settings=settings(bounded(), max_examples=60))
+    for op in ("prefetch_from_storage", "io_prefetch_query", "io_prefetch_fetch",
+               "check_prefetch_progress", "io_storage_write", "drain_storage_queues",
+               "detach_storage", "attach_storage", "query_storage_hit_length"):
+        assert tally.ops[op] > 0, (op, dict(tally.ops))
+
+
+# -- each policy, step by step ---------------------------------------------------------
+
+def test_best_effort_round_trip(state: Any) -> None:
+    state.cycle(request="r0", run=True, dt=0, evict=24, index=0, fresh=((1, 2, 3), None))
+    state.engine_refines_the_model()
+    assert Key((1, 2, 3), None) in state.model.pages
+    assert state.engine.loaded_tokens() == {"r0": 3} == state.model.storage.loaded_tokens
+    state.pop_loaded("r0")
+    state.engine_refines_the_model()
+    assert not state.engine.loaded_tokens()
+
+
+def test_wait_complete_waits_for_the_transfer(state: Any) -> None:
+    policy(state, "wait_complete")
+    prefetched(state, (1, 2, 3))
+    state.progress("r0", 1)
+    assert state.engine.has_prefetch("r0")  # both sides wait
+    state.drain()
+    state.engine_refines_the_model()
+    assert not state.engine.has_prefetch("r0")
+    assert state.model.storage.loaded_tokens == {"r0": 3}
+
+
+def test_timeout_ends_a_prefetch_past_its_deadline(state: Any) -> None:
+    """The deadline counts from the first poll that waits (DEV-S22): waiting at tick
+    t, unfinished until t + base, ended after."""
+    policy(state, "timeout", base=2)
+    prefetched(state, (1, 2, 3))
+    state.progress("r0", 0)
+    state.engine_refines_the_model()
+    assert state.engine.waiting_since("r0") == state.now
+    state.progress("r0", 2)
+    assert state.engine.has_prefetch("r0")
+    state.progress("r0", 1)
+    state.engine_refines_the_model()
+    assert not state.engine.has_prefetch("r0") and state.engine.deadline_expired("r0")
+
+
+def test_abort_releases_a_prefetch(state: Any) -> None:
+    policy(state, "wait_complete")
+    prefetched(state, (1, 2))
+    state.abort("r0")
+    state.engine_refines_the_model()
+    state.drain()
+    state.engine_refines_the_model()
+    assert not state.engine.prefetches() and not state.model.storage.prefetches
+
+
+def test_query_counts_the_stored_pages(state: Any) -> None:
+    stored_and_evicted(state, (1, 2, 3))
+    state.query(0)
+    state.engine_refines_the_model()
+    assert state.engine.query_hit_length(Key((1, 2, 3), None), state.engine.cache.root_node,
+                                         0) == 3
+
+
+# -- divergences: each a reproducer (spec/09 9.10) ---------------------------------------
+
+def test_dev_s22_the_timeout_runs_from_the_first_waiting_poll(state: Any) -> None:
+    """DEV-S22: issued at t, first polled at t + 5 with a deadline of 2 ticks: the spec
+    has timed out, SGLang starts its deadline there and waits."""
+    policy(state, "timeout", base=2)
+    prefetched(state, (1, 2, 3))
+    state.tick(5)
+    assert ops.check_prefetch_progress(state.model, "r0", state.now)[1]
+    assert not state.engine.check_prefetch_progress("r0")
+
+
+def test_dev_s23_a_split_keeps_a_backup_lock_on_both_parts(state: Any) -> None:
+    """DEV-S23: a backup to storage host-locks node (1, 2, 3, 4); a request (1, 2, 9)
+    splits it before the backup ran. 0.5.23 keeps both parts locked (HiRadixCache keeps
+    the lower part only, DEV-S6)."""
+    state.request((1, 2, 3, 4), None, 0, False, 0, False)
+    state.writing_check()
+    state.request((1, 2, 9), None, 0, False, 0, False)
+    engine = state.engine
+    ((issued, locked),) = engine.backups()
+    assert locked == issued == tuple(Key((1, 2, 3, 4)[:n], None) for n in range(1, 5))
+    upper = engine._node(Key((1, 2), None))
+    assert engine._data(upper).host_lock_ref >= 1
+    state.engine_refines_the_model()
+
+
+def test_dev_s24_slots_an_ack_releases_wait_for_the_next_drain(state: Any) -> None:
+    """DEV-S24: r0's prefetch ended (best_effort) before its transfer ran; the drain
+    that meets the transfer's ack queues the slots' release after it counted the
+    release queue: they stay held until the next drain."""
+    prefetched(state, (1, 2, 3))
+    state.progress("r0", 0)
+    engine = state.engine
+    assert engine.ended_transfers() == ["r0"]
+    free = len(engine.host_free_list())
+    engine.pump_fetch()
+    engine.drain()
+    assert engine.releases_queued() and len(engine.host_free_list()) == free
+    engine.drain_releases()
+    assert len(engine.host_free_list()) == free + 3
+
+
+def test_dev_s25_detach_forgets_the_tokens_loaded_for_requests(state: Any) -> None:
+    """DEV-S25: r0's prefetch landed 3 tokens, not popped yet; a detach drops the count
+    (the spec keeps it for the request's admission)."""
+    state.cycle(request="r0", run=True, dt=0, evict=24, index=0, fresh=((1, 2, 3), None))
+    assert state.engine.loaded_tokens() == {"r0": 3}
+    state.engine.detach()
+    state.sstep("detach_storage", ops.detach_storage)
+    assert state.engine.loaded_tokens() == {} != state.model.storage.loaded_tokens
+    with pytest.raises(AssertionError, match="loaded tokens"):
+        state.engine_refines_the_model()
+
+
+def test_dev_s26_detach_leaks_the_slots_of_a_live_prefetch(state: Any) -> None:
+    """DEV-S26: r0's prefetch holds 3 host slots, its transfer queued (wait_complete). A
+    detach stops the I/O, then frees the landed part only (none): the 3 slots are
+    neither free nor owned by anything, until a restart."""
+    policy(state, "wait_complete")
+    prefetched(state, (1, 2, 3))
+    engine = state.engine
+    slots = set(engine.prefetches()["r0"].reserved)
+    engine.detach()
+    state.sstep("detach_storage", ops.detach_storage)
+    assert not engine.prefetches() and not slots & set(engine.host_free_list())
+    with pytest.raises(AssertionError, match="host_free"):
+        state.engine_refines_the_model()
