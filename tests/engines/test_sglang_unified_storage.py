@@ -230,3 +230,36 @@ def test_dev_s26_detach_leaks_the_slots_of_a_live_prefetch(state: Any) -> None:
     assert not engine.prefetches() and not slots & set(engine.host_free_list())
     with pytest.raises(AssertionError, match="host_free"):
         state.engine_refines_the_model()
+
+
+def test_dev_s19_is_fixed_a_stale_ack_does_not_end_the_next_prefetch(state: Any) -> None:
+    """DEV-S19 (0.5.20) does not recur in 0.5.23: r0's first prefetch is ended before
+    its transfer ran, r0 prefetches again; the drain matches each ack to its operation,
+    so the new prefetch lands its pages and the old one's slots are released."""
+    prefetched(state, (1, 2))
+    state.progress("r0", 0)
+    assert state.engine.ended_transfers() == ["r0"]
+    state.prefetch("r0", 0, 0)
+    state.engine_refines_the_model()
+    state.drain()
+    state.engine_refines_the_model()
+    assert Key((1, 2), None) in state.model.pages
+    assert state.engine.loaded_tokens() == {"r0": 2}
+
+
+def test_dev_s16_is_fixed_pages_cached_while_detached_are_hashed_at_attach(
+        state: Any) -> None:
+    """DEV-S16 (0.5.20) does not recur in 0.5.23: attach backfills the hashes of nodes
+    cached while detached, so a child backed up after attaching is stored under its
+    whole prefix."""
+    state.detach(go=0, drain_first=True)
+    state.request((1, 2, 3, 4), None, 0, False, 0, False)
+    state.writing_check()
+    state.attach(StorageSettings(prefetch_threshold=1, prefetch_token_limit=NO_LIMIT), 0)
+    state.request((1, 2, 3, 4, 5, 6), None, 0, False, 0, False)
+    state.writing_check()
+    state.backup()
+    state.engine_refines_the_model()  # no file under a name the suite did not compute
+    state.engine.learn(Key((5, 6), None))  # 0.5.20 stores page (1..6) under this name
+    stored = state.engine.stored_pages()
+    assert Key((1, 2, 3, 4, 5, 6), None) in stored and Key((5, 6), None) not in stored
