@@ -55,6 +55,18 @@ HOST_LAYOUTS = {"layer_first": "layer_first", "page_first": "page_first_direct"}
 KV_LAYOUTS = ("mha", "mla")
 RADIX_OPS = frozenset({"match_prefix", "insert", "inc_lock_ref", "dec_lock_ref", "alloc",
                        "free", "evict", "reset"})
+# Under write_back (spec/07 DEV-32): an eviction backs a node up as one copy, making
+# host room for the whole node (DEV-8 here: evict_host(len(node.value))) before any of its
+# pages leaves the device. The key is for the differential suite to take the host pages an
+# eviction took as an evict_host step before it; the suite does not read it yet, so
+# write_back campaigns are not run (spec/07 7.1).
+WRITE_BACK_MAPPED: Mapping[str, str] = {
+    "write_back_host_room_per_node": "DEV-32 (DEV-8 in HiRadixCache): a write-back eviction "
+                                     "makes host room for a whole node before copying it; "
+                                     "the model takes it as an evict_host step first",
+}
+
+
 # write_backup is left out on purpose: SGLang's refuses a node whose parent has no host
 # copy, the spec's backs up the missing suffix (DEV-7); they are different operations.
 HI_OPS = RADIX_OPS | {"evict_host", "writing_check", "load_back", "loading_check"}
@@ -378,6 +390,8 @@ class SglangAdapter:
             "last_host_page": "RadixCache has no host tier: its last_host_node is not a host "
                               "page" if not hierarchical else "as SGLang reports it",
         }
+        if hierarchical and scenario.write_policy == "write_back":
+            self.mapped = {**self.mapped, **WRITE_BACK_MAPPED}
         # Known SGLang bugs (spec/07) the suite steers around, so that a campaign goes on
         # to find others; each has its own reproducer test.
         self.avoid: Mapping[str, str] = {

@@ -47,6 +47,7 @@ from hiradix.conformance.adapters.sglang import (
     HOST_LAYOUTS,
     KV_LAYOUTS,
     LAYERS,
+    WRITE_BACK_MAPPED,
     SglangAdapter,
     _InsertionOrdered,
     _Run,
@@ -283,6 +284,8 @@ class SglangUnifiedAdapter(SglangAdapter):
                                              "unbacked ancestors with it; the spec backs "
                                              "up due pages only (R5)",
         }
+        if scenario.write_policy == "write_back":
+            self.mapped = {**self.mapped, **WRITE_BACK_MAPPED}
         self.inexpressible: Mapping[str, str] = {
             "counted_from_inside": "DEV-25: 0.5.20's insert takes only chunked",
         } if self.v20 else {}
