@@ -613,6 +613,26 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                               request, now)
             assert got == want, (got, want)
 
+        @precondition(lambda self: self.tier.settings is not None
+                      and self.tier.settings.prefetch_policy == "timeout"
+                      and any(p.io_running for p in self.tier.state.prefetches.values()))
+        @rule(pick=st.integers(0, 2), early=st.booleans())
+        def expire(self, pick: int, early: bool) -> None:
+            """Time runs to a running prefetch's timeout (9.1: the first tick past it, or
+            the last one before it, ``early``) and its request is polled: past it, the
+            prefetch ends while its I/O still runs. Random clock steps reached that in
+            some runs only (a planted bug ignoring such timeouts went unseen)."""
+            running = sorted(r for r, p in self.tier.state.prefetches.items() if p.io_running)
+            request = running[pick % len(running)]
+            live = self.tier.state.prefetches[request]
+            settings = self.tier.settings
+            assert settings is not None
+            tokens = self.cache.page_size * (live.hit_pages or 0)
+            limit = min(1024 * settings.timeout_max,
+                        1024 * settings.timeout_base + settings.timeout_per_ki_token * tokens)
+            due = limit // 1024 + 1  # timed_out: 1024 * elapsed > limit
+            self.progress(request, max(0, due - (self.clock.now() - live.start) - early))
+
         @precondition(lambda self: self.tier.attached and bool(self.tier.state.prefetches))
         @rule(request=st.sampled_from(REQUESTS))
         def terminate(self, request: str) -> None:
@@ -700,6 +720,8 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                     w.phase == "running" for w in storage.writes))
 
     gate(StorageConformance, STORAGE_SWARM_RULES, Base.tally.rules)
+    # Not swarmed: appending it to the swarm's rules would change every seed's draws.
+    gate(StorageConformance, ("expire",), Base.tally.rules, swarmed=False)
     StorageConformance.__name__ = f"StorageConformance_{scenario.slug()}"
     return StorageConformance
 
