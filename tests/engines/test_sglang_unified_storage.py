@@ -138,18 +138,21 @@ def test_wait_complete_waits_for_the_transfer(state: Any) -> None:
 
 
 def test_timeout_ends_a_prefetch_past_its_deadline(state: Any) -> None:
-    """The deadline counts from the first poll that waits (DEV-S22): waiting at tick
-    t, unfinished until t + base, ended after."""
+    """Polled at issue (tick t), unfinished until t + base, ended after. The deadline
+    counts from that first waiting poll on 0.5.23 (DEV-S22), from the issue on 0.5.20:
+    the same tick here."""
     policy(state, "timeout", base=2)
     prefetched(state, (1, 2, 3))
     state.progress("r0", 0)
     state.engine_refines_the_model()
-    assert state.engine.waiting_since("r0") == state.now
+    v20 = state.engine.v20
+    assert state.engine.waiting_since("r0") == (None if v20 else state.now)
     state.progress("r0", 2)
     assert state.engine.has_prefetch("r0")
     state.progress("r0", 1)
     state.engine_refines_the_model()
-    assert not state.engine.has_prefetch("r0") and state.engine.deadline_expired("r0")
+    assert not state.engine.has_prefetch("r0")
+    assert state.engine.deadline_expired("r0") is not v20
 
 
 def test_abort_releases_a_prefetch(state: Any) -> None:
@@ -174,26 +177,28 @@ def test_query_counts_the_stored_pages(state: Any) -> None:
 
 def test_dev_s22_the_timeout_runs_from_the_first_waiting_poll(state: Any) -> None:
     """DEV-S22: issued at t, first polled at t + 5 with a deadline of 2 ticks: the spec
-    has timed out, SGLang starts its deadline there and waits."""
+    has timed out, 0.5.23 starts its deadline there and waits (0.5.20 agrees with the
+    spec)."""
     policy(state, "timeout", base=2)
     prefetched(state, (1, 2, 3))
     state.tick(5)
     assert ops.check_prefetch_progress(state.model, "r0", state.now)[1]
-    assert not state.engine.check_prefetch_progress("r0")
+    assert state.engine.check_prefetch_progress("r0") is state.engine.v20
 
 
 def test_dev_s23_a_split_keeps_a_backup_lock_on_both_parts(state: Any) -> None:
     """DEV-S23: a backup to storage host-locks node (1, 2, 3, 4); a request (1, 2, 9)
-    splits it before the backup ran. 0.5.23 keeps both parts locked (HiRadixCache keeps
-    the lower part only, DEV-S6)."""
+    splits it before the backup ran. 0.5.23 keeps both parts locked; 0.5.20, like
+    HiRadixCache, the lower part only (DEV-S6)."""
     state.request((1, 2, 3, 4), None, 0, False, 0, False)
     state.writing_check()
     state.request((1, 2, 9), None, 0, False, 0, False)
     engine = state.engine
     ((issued, locked),) = engine.backups()
-    assert locked == issued == tuple(Key((1, 2, 3, 4)[:n], None) for n in range(1, 5))
+    assert issued == tuple(Key((1, 2, 3, 4)[:n], None) for n in range(1, 5))
+    assert locked == issued[2:] if engine.v20 else locked == issued
     upper = engine._node(Key((1, 2), None))
-    assert engine._data(upper).host_lock_ref >= 1
+    assert engine._data(upper).host_lock_ref == (0 if engine.v20 else 1)
     state.engine_refines_the_model()
 
 
@@ -271,3 +276,13 @@ def test_dev_s16_is_fixed_pages_cached_while_detached_are_hashed_at_attach(
     state.engine.learn(Key((5, 6), None))  # 0.5.20 stores page (1..6) under this name
     stored = state.engine.stored_pages()
     assert Key((1, 2, 3, 4, 5, 6), None) in stored and Key((5, 6), None) not in stored
+
+
+def test_dev_s27_an_abort_keeps_the_loaded_tokens_on_0_5_20(state: Any) -> None:
+    """DEV-S27: 0.5.20's release_aborted_request drops the request's loaded-token count
+    by its rid, but the count is kept by request handle: it stays (one entry per aborted
+    request, never freed). 0.5.23 drops it."""
+    state.cycle(request="r0", run=True, dt=0, evict=24, index=0, fresh=((1, 2, 3), None))
+    assert state.engine.loaded_tokens() == {"r0": 3}
+    state.engine.release_aborted_request("r0")
+    assert state.engine.loaded_tokens() == ({"r0": 3} if state.engine.v20 else {})

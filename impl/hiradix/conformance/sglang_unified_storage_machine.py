@@ -1,5 +1,5 @@
-"""The differential suite with the storage tier of SGLang's ``UnifiedRadixCache`` (0.5.23,
-Python tree core) + ``HiCacheFile`` (spec/09 9.10).
+"""The differential suite with the storage tier of SGLang's ``UnifiedRadixCache`` (0.5.20 and
+0.5.23, Python tree core) + ``HiCacheFile`` (spec/09 9.10).
 
 The storage steps are those of the HiRadixCache storage machine
 (``sglang_storage_machine``, spec/09 9.8-9.9). Its rules and checks that reach SGLang only
@@ -41,7 +41,7 @@ from hiradix_model import Key, State, StorageSettings, ops
 
 # The HiRadixCache storage machine's members that see SGLang through the adapter only.
 _SHARED = ("sstep", "storage", "attached", "anchor_and_tokens", "protect", "prefetch_key",
-           "host_room", "attach", "clear", "query", "abort",
+           "host_room", "attach", "clear", "query",
            "pop_loaded", "backup", "drainable", "hung_below_device_only", "reset", "mapped",
            "storage_differences", "engine_refines_the_model")
 
@@ -63,6 +63,7 @@ def make_machine(engine: str, scenario: Scenario,
     # members count into the same tally.
     hiradix = sglang_storage_machine.make_machine("sglang-storage", scenario, counts)
     shared = {name: hiradix.__dict__[name] for name in _SHARED}
+    release_aborted = hiradix.__dict__["abort"]
 
     class SglangUnifiedStorage(Base):  # type: ignore[misc, valid-type]
         engine: SglangUnifiedStorageAdapter
@@ -77,7 +78,7 @@ def make_machine(engine: str, scenario: Scenario,
         @rule(settings=st.data(), go=st.integers(0, 3))
         def attach_rule(self, settings: st.DataObject, go: int) -> None:
             if go:
-                return  # DEV-S16 is fixed in 0.5.23 (hashes backfilled at attach)
+                return  # no DEV-S16 here: attach backfills the hashes of cached nodes
             self.attach(settings.draw(unified_settings(scenario.page_size)), 0)
 
         @precondition(lambda self: self.attached())
@@ -86,8 +87,8 @@ def make_machine(engine: str, scenario: Scenario,
             """As the HiRadixCache machine's (drained first where an ended prefetch's
             transfer is queued, DEV-S18), after the live prefetches are aborted
             (DEV-S26); and the tokens loaded for requests popped before the detach:
-            0.5.23's detach forgets them (DEV-S25; its scheduler detaches only when no
-            request is queued, so none is left to pop them)."""
+            UnifiedRadixCache's detach forgets them (DEV-S25; its scheduler detaches only
+            when no request is queued, so none is left to pop them)."""
             if go:
                 return
             for request in sorted(self.engine.prefetches()):
@@ -108,6 +109,19 @@ def make_machine(engine: str, scenario: Scenario,
                 self.engine_refines_the_model()
             self.engine.detach()
             self.sstep("detach_storage", ops.detach_storage)
+
+        @precondition(lambda self: bool(self.engine.cache.ongoing_prefetch)
+                      or bool(self.engine.loaded_tokens()))
+        @rule(request=st.sampled_from(REQUESTS))
+        def abort(self, request: str) -> None:
+            """``release_aborted_request``; on 0.5.20 the request's loaded tokens are
+            popped first: its abort drops them under the wrong key and keeps them
+            (DEV-S27)."""
+            if self.engine.v20 and request in self.engine.loaded_tokens():
+                counts.ops["loaded tokens popped before an abort (DEV-S27)"] += 1
+                self.pop_loaded(request)
+                self.engine_refines_the_model()
+            release_aborted(self, request)
 
         def serve(self, key: Key, dt: int, chunked: bool, priority: int, keep_lock: bool,
                   counted_from: Key | None = None) -> None:
@@ -153,7 +167,7 @@ def make_machine(engine: str, scenario: Scenario,
         @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63), dt=st.integers(0, 2))
         def prefetch(self, request: str, index: int, dt: int) -> None:
             engine = self.engine
-            # DEV-S19 is fixed in 0.5.23 (acks are matched by operation): a request
+            # No DEV-S19 here (acks are matched by operation): a request
             # whose ended transfer is queued may prefetch again.
             why = ("one is tracked for the request (DEV-S3)" if engine.has_prefetch(request)
                    else "the request's deadline expired (DEV-S22)"
@@ -249,7 +263,7 @@ def make_machine(engine: str, scenario: Scenario,
 
         def end_prefetch(self, request: str) -> bool:
             """The model's ``check_prefetch_progress``. Pages it hangs under the root
-            take the root's priority, as SGLang's do (DEV-S17, 0.5.23 form)."""
+            take the root's priority, as SGLang's do (DEV-S17, UnifiedRadixCache form)."""
             p = self.storage().prefetch_of(request)
             cached = set(self.model.pages)
             ended = bool(self.sstep("check_prefetch_progress", ops.check_prefetch_progress,

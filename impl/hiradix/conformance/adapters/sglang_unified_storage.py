@@ -1,6 +1,6 @@
-"""Adapter for the storage tier (L3) of SGLang's ``UnifiedRadixCache``: the cache the
-server builds for ``--enable-hierarchical-cache``, with ``init_hicache`` and the ``file``
-backend (``HiCacheFile``) attached at run time in a directory of its own.
+"""Adapter for the storage tier (L3) of SGLang's ``UnifiedRadixCache`` (0.5.20, 0.5.23):
+the cache the server builds for ``--enable-hierarchical-cache``, with ``init_hicache`` and
+the ``file`` backend (``HiCacheFile``) attached at run time in a directory of its own.
 
 The two-tier part is the ``sglang-unified`` adapter's (Python tree core, its CPU
 patches, stamps and corrections). The storage calls are those the HiRadixCache storage
@@ -14,16 +14,17 @@ bookkeeping differs (spec/09 9.10):
 - backups are ``ongoing_backup[op] = (node id, host-lock receipt)``;
 - the drain takes per-pool release counts (``extra_release_counts``; none here: FULL
   is the only component);
-- the hit drain allocates what fits (``allocate_storage_hit(allow_partial=True)``, at
-  least the threshold), where HiRadixCache allocates all the hits or none;
-- the ``timeout`` policy's deadline starts at the first admission poll that finds the
-  prefetch unfinished (``_StoragePrefetchWait``, a ``PollTimer``), not at issue, and has
-  no cap.
+- the hit drain allocates what fits (at least the threshold, DEV-S21), where
+  HiRadixCache allocates all the hits or none;
+- 0.5.23 only: the ``timeout`` policy's deadline starts at the first admission poll
+  that finds the prefetch unfinished (``_StoragePrefetchWait``, a ``PollTimer``,
+  DEV-S22); a host lock covers the upper part of a split node (DEV-S23). 0.5.20 counts
+  from the issue and locks one node, as HiRadixCache.
 
 **Deterministic I/O**, as in ``sglang_storage``: ``threading.Thread`` in the controller
 modules (``cache_controller`` and ``hybrid_cache_controller``) is ``_InlineThread``; the
 controller's stop event is ``_Quiescent``; ``pump`` runs one of SGLang's thread
-functions on the calling thread. ``PollTimer`` reads the suite's logical clock.
+functions on the calling thread. Deadlines read the suite's logical clock (``_TickClock``).
 
 Not driven: pipeline parallelism (prefetch tickets, ``bind_prefetch_ticket``,
 ``_check_pp_prefetch_progress``: they need a PP process group), ``buffer_only`` host
@@ -52,18 +53,16 @@ from hiradix.conformance.adapters.sglang_storage import (
     _InlineThread,
     _Quiescent,
 )
-from hiradix.conformance.adapters.sglang_unified import SglangUnifiedAdapter
+from hiradix.conformance.adapters.sglang_unified import SETUP, SglangUnifiedAdapter
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Key, State, StorageSettings
 
-VERSIONS = ("0.5.23",)  # 0.5.20's storage path differs (spec/09 9.10: not driven)
-SETUP = "make sglang23-env, then run .venv-sglang23/bin/hiradix"
+VERSIONS = ("0.5.20", "0.5.23")
 # ``priority`` is left out as in sglang-storage (DEV-S17); ``tlru`` is not the model's.
 STRATEGIES = sglang_storage.STRATEGIES
 _STORAGE_MODULES = {
     "controller": "sglang.srt.managers.cache_controller",
     "hybrid": "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
-    "timer": "sglang.srt.utils.poll_timer",
     "utils": "sglang.srt.mem_cache.utils",
     "handle": "sglang.srt.mem_cache.base_prefix_cache",
     "runtime": "sglang.srt.runtime_context",
@@ -72,13 +71,18 @@ _STORAGE_MODULES = {
 
 
 class _TickClock:
-    """``time`` inside ``poll_timer``: ``perf_counter`` reads the suite's logical tick,
-    so a prefetch's deadline (``_StoragePrefetchWait``) counts ticks."""
+    """``time`` where SGLang times a prefetch's deadline: both clocks read the suite's
+    logical tick. 0.5.23: ``poll_timer`` (``perf_counter``, ``_StoragePrefetchWait``);
+    0.5.20: the operation's start and the check (``monotonic``), and the cache's
+    eviction timing (``perf_counter``, statistics only)."""
 
     def __init__(self, clock: sglang_unified.UnifiedClock) -> None:
         self.clock = clock
 
     def perf_counter(self) -> float:
+        return float(self.clock.now)
+
+    def monotonic(self) -> float:
         return float(self.clock.now)
 
 
@@ -95,7 +99,13 @@ def prepare_storage() -> SimpleNamespace:
                                  Lock=threading.Lock)
         modules["controller"].threading = inline
         modules["hybrid"].threading = inline
-        modules["timer"].time = _TickClock(env.clock)
+        clock = _TickClock(env.clock)
+        if env.version == "0.5.20":
+            for name in ("controller", "hybrid"):
+                modules[name].time = clock
+            env.modules["uni"].time = clock
+        else:
+            importlib.import_module("sglang.srt.utils.poll_timer").time = clock
         _STORAGE_ENV = SimpleNamespace(unified=env, modules=modules)
     return _STORAGE_ENV
 
@@ -105,7 +115,7 @@ CACHE_CALLS = ("attach_storage_backend", "detach_storage_backend", "clear_storag
                "prefetch_from_storage", "query_storage_hit_length", "check_prefetch_progress",
                "release_aborted_request", "pop_prefetch_loaded_tokens",
                "_drain_storage_control_queues_impl", "drain_storage_control_queues")
-CONTROLLER_CALLS = ("allocate_storage_hit", "prefetch_thread_func", "prefetch_io_aux_func",
+CONTROLLER_CALLS = ("prefetch_thread_func", "prefetch_io_aux_func",
                     "prefetch_sync_thread_func", "backup_thread_func")
 
 
@@ -255,6 +265,8 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
     def waiting_since(self, request: str) -> int | None:
         """The tick of the first admission poll that found ``request``'s prefetch
         unfinished under ``timeout`` (DEV-S22), or None."""
+        if self.v20:
+            return None  # 0.5.20 counts from the issue, as the spec
         wait = self.cache._storage_prefetch_wait.get(self.handle(request))
         if wait is None or wait.timer.started_at is None:
             return None
@@ -263,6 +275,8 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
     def deadline_expired(self, request: str) -> bool:
         """Whether a ``timeout`` deadline of ``request`` expired: SGLang issues no
         prefetch for that request again (DEV-S22)."""
+        if self.v20:
+            return False  # no deadline book in 0.5.20
         wait = self.cache._storage_prefetch_wait.get(self.handle(request))
         return wait is not None and bool(wait.expired)
 
@@ -319,9 +333,11 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
         """The pages one host lock holds, root-most first: its node and, up to the
         node the receipt's boundary names, the upper parts splits made since (DEV-S23:
         0.5.23 keeps a split node's upper part locked, HiRadixCache does not, DEV-S6)."""
-        boundary = receipt.get_lock_uuid(self.full, lock_host=True)
         node, root = self._node_of(node_id), self.cache.root_node
         nodes = [node]
+        if self.v20:  # one node per lock, as HiRadixCache's (DEV-S6)
+            return tuple(self._page_keys(node))
+        boundary = receipt.get_lock_uuid(self.full, lock_host=True)
         while node.parent is not root and self._data(node).metadata.get(
                 "host_uuid") != boundary:
             node = node.parent
