@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ from hiradix.conformance.adapters.sglang import (
     HI_OPS,
     KV_LAYOUTS,
     LAYERS,
+    SglangAdapter,
     _on_path,
     _Run,
     read_host_kv,
@@ -185,22 +187,12 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
     def evict_host(self, num_tokens: int) -> int:
         return int(self.cache.evict_host(num_tokens))
 
-    def writing_check(self) -> int:
-        self.cache.writing_check()
-        still = set(self.cache.ongoing_write_through)
-        acked = 0
-        while self.runs and not still & set(self.runs[0].ids):
-            self.runs.pop(0)
-            acked += 1
-        return acked
-
-    def loading_check(self) -> int:
-        before = set(self.cache.ongoing_load_back)
-        self.cache.loading_check()
-        done = before - set(self.cache.ongoing_load_back)
-        for ack in done:
-            self.loads.pop(ack, None)
-        return len(done)
+    # Page-level bookkeeping of copies in flight, the HiRadixCache adapter's: it reads the
+    # cache's ack dictionaries and the recorded runs and loads, no node.
+    _pending_writes = SglangAdapter._pending_writes
+    writing_check = SglangAdapter.writing_check
+    loading_check = SglangAdapter.loading_check
+    _in_flight = SglangAdapter._in_flight
 
     def init_load_back(self, page: Key | None,
                        quota: int | None) -> tuple[tuple[int, ...], Key | None]:
@@ -241,25 +233,11 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
 
     # -- the abstraction ------------------------------------------------------------------
 
-    def _in_flight(self, pages: dict[Key, Page]) -> tuple[Transfer, ...]:
-        """The copies in flight in spec terms, issue order (pages, not nodes: a split
-        while a copy is in flight changes nodes, not the copy's pages)."""
-        copies: list[tuple[int, Transfer]] = []
-        for run in self.runs:
-            if set(run.ids) & set(self.cache.ongoing_write_through):
-                copies.append((run.seq, Transfer(
-                    "d2h", run.pages, tuple(s for k in run.pages for s in pages[k].device or ()),
-                    tuple(s for k in run.pages for s in pages[k].host or ()), run.pages[-1])))
-        for ack, (seq, chain) in self.loads.items():
-            if ack in self.cache.ongoing_load_back:
-                copies.append((seq, Transfer(
-                    "h2d", chain, tuple(s for k in chain for s in pages[k].host or ()),
-                    tuple(s for k in chain for s in pages[k].device or ()), chain[-1])))
-        known = {i for run in self.runs for i in run.ids}
-        stale = sorted(set(self.cache.ongoing_write_through) - known) + sorted(
-            set(self.cache.ongoing_load_back) - set(self.loads))
-        assert not stale, f"{self.name}: copies in flight no operation issued: {stale}"
-        return tuple(t for _, t in sorted(copies, key=lambda c: c[0]))
+    def _stale(self, direction: str, nodes: list[Any]) -> Transfer:
+        """A copy in flight that no operation of the suite issued (reset drops SGLang's
+        acknowledgements): none can be left."""
+        raise AssertionError(f"{self.name}: a {direction} copy in flight that no operation "
+                             f"of the suite issued")
 
     def _lock(self, key: Key, lock: int) -> int:
         """DEV-7: SGLang locks the root path of every node of a run, the spec that of the
