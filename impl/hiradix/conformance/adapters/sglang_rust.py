@@ -10,9 +10,7 @@ SGLang silently falls back to the Python core when the Rust one cannot run
 class after construction and refuses a fallback.
 
 Scope: the device tier only (``tree_components=(FULL,)``, no ``init_hicache``): the
-operations RadixCache has. The hierarchical half is left open; the binding's host-side
-reads (``build_storage_backup_spec(h, False).host_value`` for a backed-up node,
-``build_load_back_spec(h)`` for a host-only chain) were tried and work on CPU. Shared with
+operations RadixCache has. The host tier is ``sglang_rust_hicache``'s (spec/07r). Shared with
 ``sglang_unified``: ``prepare`` (CPU patches), ``radix_key``, ``to_engine``/``from_engine``;
 its ``build`` always attaches HiCache, so the device-tier cache is built here.
 
@@ -67,15 +65,20 @@ adapter's ``unobservable``) cannot be read from the Rust core. ``observe`` there
    ``evictable_size()``/``protected_size()``, the tree's slots equal
    ``all_values_flatten()``, the free count equals ``available_size()``, and no slot is
    both in the tree and on the free list;
-3. fills only the ``unobservable`` fields from the model's page of the same key
-   (zero for a page the model lacks, which the comparison then reports anyway).
+3. fills only the ``unobservable`` fields: from the Python reference core
+   (``sglang_rust_reference``: a Python-core cache given every call the Rust core gets,
+   checked to answer alike and to hold the same pages, slots, locks and totals, or
+   ``Parted``), adopting its recency as the Python-core adapter does (DEV-1, DEV-21);
+   without a reference (``_reference`` returns None: the host-tier subclass, tests),
+   from the model's page of the same key (zero for a page the model lacks, which the
+   comparison then reports anyway).
 
-So a wrong recency, hit count or priority in the engine is invisible here except
-through its consequences, which are compared: which pages an eviction removes (the
-suite infers victims from observed pages and the model checks the choice), what a
-match returns, and the lock deltas. The other side of that coin: DEV-1 / DEV-4, which
-other SGLang adapters adopt, cannot be adopted here, so a choice that ties on recency
-after a split is reported as a divergence (spec/07r DEV-R1).
+So a wrong recency, hit count or priority in the Rust core is seen through its
+consequences: which pages an eviction removes (the suite infers victims from observed
+pages and the model checks the choice under the reference's stamps), and where the
+Rust core parts from the Python core. Without a reference, DEV-1 / DEV-4 cannot be
+adopted, and a choice that ties on recency after a split is reported as a divergence
+(spec/07r DEV-R1).
 """
 
 from __future__ import annotations
