@@ -12,11 +12,11 @@ import importlib.util
 from typing import Any
 
 import pytest
+from test_sglang_adapters import _put
 
 from hiradix.conformance.adapters import factory
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Key, Victim, initial, ops
-from hiradix_model.keys import content_at
 
 HIRADIX = "sglang"  # HiRadixCache, 0.5.20 only (removed in 0.5.22)
 UNIFIED = "sglang-unified"
@@ -33,17 +33,6 @@ def engines() -> list[str]:
 def sglang_installed() -> None:
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("SGLang is not installed here (make sglang-env / make sglang23-env)")
-
-
-def _put(adapter: Any, tokens: tuple[int, ...], now: int) -> None:
-    """A request as a scheduler serves it: match, allocate, write KV, insert."""
-    key = Key(tokens)
-    adapter.set_time(now)
-    adapter.match_prefix(key)
-    slots = adapter.alloc(len(tokens))
-    assert slots is not None
-    adapter.write_kv(slots, [content_at(key, i) for i in range(len(tokens))])
-    adapter.insert(key, slots, priority=0, chunked=False)
 
 
 def _one_free_host_slot(engine: str) -> Any:
