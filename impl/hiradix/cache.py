@@ -455,9 +455,8 @@ class HiRadixCache:
                 start = end
         if self._threshold is not None:
             due = [n for n in counting if n.hits >= self._threshold and n.host is None]
-            run = self._backup_run(due)
-            if run:
-                self._backup(run)
+            if due:
+                self._backup(self._missing_suffix(due[-1]))
         return prefix
 
     def _require_counted_from(self, counted_from: object, aligned: int) -> None:
@@ -482,23 +481,16 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ backup
 
-    def _eligible(self, node: TreeNode) -> bool:
-        if node.device is None or node.host is not None:
-            return False
-        if self.config.write_policy == "write_back":
-            return True
-        return node.parent is self.root or (node.parent is not None and node.parent.host
-                                            is not None)
-
-    def _backup_run(self, due: list[TreeNode]) -> list[TreeNode]:
+    def _missing_suffix(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` with the nodes above it that lack a host copy, root-most first: what
+        ``write_backup(node)`` copies, and an insert's backup run for its deepest due
+        node (R5, DEV-30: due nodes lie on one key's path, so the run holds them all)."""
         run: list[TreeNode] = []
-        for node in due:
-            if run and node.parent is run[-1]:
-                run.append(node)
-            elif run:
-                break
-            elif self._eligible(node):
-                run.append(node)
+        walk: TreeNode | None = node
+        while walk is not None and walk is not self.root and walk.host is None:
+            run.append(walk)
+            walk = walk.parent
+        run.reverse()
         return run
 
     def _backup(self, run: list[TreeNode]) -> bool:
@@ -534,10 +526,7 @@ class HiRadixCache:
         node = self._require_node(node)
         if node is self.root or node.device is None or node.host is not None:
             raise InvalidArgument("node", "must be on device and not yet backed up")
-        run = [n for n in node.path() if n.host is None]
-        run = run[: next((i for i, n in enumerate(node.path()) if n.host is not None),
-                         len(run))]
-        return self._backup(run[::-1])
+        return self._backup(self._missing_suffix(node))
 
     def writing_check(self) -> int:
         """Acknowledge the device-to-host copies that finished (FIFO); return how many.

@@ -9,6 +9,7 @@ Skipped where SGLang is not installed; an installed SGLang the adapter cannot dr
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 from typing import Any
 
@@ -431,33 +432,38 @@ def test_dev3_dev14_write_back_counts_no_hits_and_backs_up_nothing_on_insert() -
 
 
 def test_dev30_write_through_backs_up_a_due_pages_uncounted_ancestors() -> None:
-    """spec/07 DEV-30 (a proposal to change R5), run on 0.5.23: A = (1, 2) is inserted
-    with nothing counted (chunked), then (1, 2, 3, 1) with inserted_len = 2. Only (1, 2, 3),
+    """spec/07 DEV-30 (adopted: R5 changed), run on 0.5.23: A = (1, 2) is inserted with
+    nothing counted (chunked), then (1, 2, 3, 1) with inserted_len = 2. Only (1, 2, 3),
     (1, 2, 3, 1) are counted and due; A is device-only and not due. SGLang backs up A with
-    them, one run; the spec today backs up nothing (R4: the due pages' parent has no host
-    copy), which is why the suite steers around it (avoid: backup_of_uncounted_ancestors)."""
+    them, and so does the spec now: the engine's state equals the model's."""
     adapter = factory(ENGINE, Scenario(page_size=1))()
     if adapter.v20:
         adapter.close()
         pytest.skip("0.5.20 takes chunked only (DEV-25)")
-    assert "backup_of_uncounted_ancestors" in adapter.avoid
+    assert "backup_of_uncounted_ancestors" not in adapter.avoid
+    from hiradix_model import choosers, ops
     from hiradix_model.keys import content_at
-    short = Key((1, 2))
+    model = initial(adapter.config)
+    rng = random.Random(0)
+    short, key = Key((1, 2)), Key((1, 2, 3, 1))
     slots = adapter.alloc(2)
+    more = adapter.alloc(2)
+    model, _ = ops.alloc(model, short, 0, tuple(slots))
     adapter.write_kv(slots, [content_at(short, i) for i in range(2)])
     adapter.insert(short, slots, priority=0, chunked=True)
-    adapter.writing_check()
-    model = initial(adapter.config)
-    assert all(p.host is None and p.hits == 0 for p in adapter.observe(model).pages.values())
-    key = Key((1, 2, 3, 1))
-    more = adapter.alloc(2)
+    model, _ = ops.insert(model, short, tuple(slots), 0, chunked=True)
+    model, _ = ops.alloc(model, key, 2, tuple(more))
     adapter.write_kv(more, [content_at(key, i) for i in range(2, 4)])
     adapter.insert(key, slots + more, priority=0, chunked=False, counted_from=2)
-    adapter.writing_check()
+    report = choosers.choose_insert_backup(model, key, tuple(slots + more), 0, rng,
+                                           counted_from=2)
+    model, _ = ops.insert(model, key, tuple(slots + more), 0, counted_from=2, backup=report)
     pages = adapter.observe(model).pages
     assert {k.tokens: p.hits for k, p in pages.items()} == {
         (1,): 0, (1, 2): 0, (1, 2, 3): 1, (1, 2, 3, 1): 1}
     assert all(p.host is not None for p in pages.values()), "SGLang backed up A as well"
+    assert all(p.host is not None for p in model.pages.values()), "so does the spec (R5)"
+    assert len(model.pending) == 1 and len(model.pending[0].pages) == 4
     adapter.close()
 
 

@@ -103,13 +103,16 @@ def test_counted_from_splits_so_that_only_pages_past_it_count() -> None:
     fresh.check_invariants()
 
 
-def test_only_nodes_past_counted_from_are_backed_up() -> None:
+def test_a_due_node_is_backed_up_with_its_uncounted_ancestors() -> None:
     cache = Scenario(write_policy="write_through").build(ManualClock(1), None)
     key = RadixKey((1, 2, 3, 4))
     cache.insert(key, own(cache, key.tokens), counted_from=2)
-    # (1, 2, 3, 4) is due, but its parent page has no host copy: no copy (R4, R5).
+    # Only (1, 2, 3, 4) counts a hit and is due; its uncounted parent page goes with it,
+    # in one copy (R5, DEV-30).
     assert page_hits(cache) == {2: 0, 4: 1}
-    assert all(node.host is None for node in cache.nodes())
+    assert all(node.host is not None for node in cache.nodes())
+    assert len(cache.pending["d2h"]) == 1
+    cache.check_invariants()
 
 
 def test_nodes_of_another_cache_or_after_reset_are_foreign() -> None:

@@ -125,8 +125,22 @@ def test_only_pages_past_counted_from_are_due() -> None:
     state = initial(config(page_size=2, write_policy="write_through"))
     state, result = put(state, Key((1, 2, 3, 4)), 1, counted_from=2)
     assert result.due == (Key((1, 2, 3, 4)),)
-    # Not eligible: its parent page has no host copy and is not due (R4, R5).
-    assert state.pending == () and state.pages[Key((1, 2))].host is None
+    # R5 (DEV-30): the due page goes with its uncounted parent, one copy, one lock.
+    assert [t.pages for t in state.pending] == [(Key((1, 2)), Key((1, 2, 3, 4)))]
+    assert all(state.pages[k].host is not None for k in (Key((1, 2)), Key((1, 2, 3, 4))))
+    assert state.pages[Key((1, 2))].hits == 0  # copied, but still not counted
+
+
+def test_a_gap_in_the_due_pages_is_copied_with_them() -> None:
+    """R5: due pages with an undue page between them are one run, the gap included."""
+    state = initial(config(write_policy="write_through_selective"))  # threshold 2
+    state, _ = put(state, Key((1,)), 1)
+    state, _ = put(state, Key((1, 2)), 2, chunked=True)  # (1, 2) counts no hit
+    state, _ = put(state, Key((1, 2, 3)), 3, counted_from=2)
+    assert hits(state) == {(1,): 1, (1, 2): 0, (1, 2, 3): 1}
+    state, result = put(state, Key((1, 2, 3)), 4)
+    assert result.due == (Key((1,)), Key((1, 2, 3)))
+    assert [t.pages for t in state.pending] == [(Key((1,)), Key((1, 2)), Key((1, 2, 3)))]
 
 
 def test_counted_from_the_aligned_length_is_chunked() -> None:

@@ -87,23 +87,6 @@ def chain_tokens(state: State, page: Key) -> int:
         state.pages[k].device is None for k in page_keys(page, state.config.page_size))
 
 
-def uncounted_ancestor(draft: Draft, key: Key, counted: int, due: tuple[Key, ...]) -> bool:
-    """After an insert counting from ``counted``: whether SGLang's write-through, which
-    backs up a due node together with its unbacked ancestors, differs from the spec,
-    which backs up due pages only (07 DEV-25), now or at a later insert. Now: a due page
-    has a device-only ancestor that is not due. Later: a device-only page has more hits
-    than its device-only parent, so a plain insert could make it due without the parent.
-    Inserts without ``counted_from`` never do either: they count a page's whole path."""
-    if any(draft.page(k).host is None and k not in due
-           for page in due for k in page_keys(page, draft.ps)[:-1]):
-        return True
-    if not 0 < counted < len(key.tokens) - len(key.tokens) % draft.ps:
-        return False
-    last = draft.page(Key(key.tokens[:counted], key.namespace))
-    first = draft.page(Key(key.tokens[:counted + draft.ps], key.namespace))
-    return last.host is None and first.host is None and first.hits > last.hits
-
-
 class EngineSteps(Recording):
     """What the differential machines share (this one and ``vllm_machine``'s): reading
     the engine's state with the adapter's adoptions, the engine's clock, and the check
@@ -303,12 +286,6 @@ def make_differential(factory: Callable[[], EngineAdapter],
                            and counted_from in self.inserted else 0)
                 draft = Draft(self.model)
                 _, due = insert_pages(draft, key, slots, now, priority, chunked, counted)
-                if (counted and "backup_of_uncounted_ancestors" in self.engine.avoid
-                        and uncounted_ancestor(draft, key, counted, due)):
-                    counts.ops["counted_from dropped: uncounted ancestor (DEV-25)"] += 1
-                    counted = 0
-                    draft = Draft(self.model)
-                    _, due = insert_pages(draft, key, slots, now, priority, chunked, counted)
                 if 0 < counted < len(key.tokens) - len(key.tokens) % ps:
                     counts.ops["insert counted_from inside the key"] += 1
                 run = backup_run(draft, due)

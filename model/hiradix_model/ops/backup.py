@@ -27,37 +27,18 @@ class Backup:
     host_slots: tuple[int, ...] | None = None
 
 
-def eligible(draft: Draft, page: Key) -> bool:
-    """A page may be backed up if it is on device, not on host, and -- under the
-    write-through policies -- its parent already has a host copy (INV-BACKUP-CONTIGUOUS)."""
-    record = draft.pages.get(page)
-    if record is None or record.device is None or record.host is not None:
-        return False
-    if draft.config.write_policy == "write_back":
-        return True
-    parent = draft.parent(page)
-    return parent is None or draft.page(parent).host is not None
-
-
 def backup_run(draft: Draft, due: Sequence[Key]) -> tuple[Key, ...]:
-    """The pages one backup copies: the first eligible due page and the due pages that
-    follow it as its descendants, each the child of the one before."""
-    run: list[Key] = []
-    for page in due:
-        if run and draft.parent(page) == run[-1]:
-            run.append(page)
-        elif run:
-            break
-        elif eligible(draft, page):
-            run.append(page)
-    return tuple(run)
+    """The pages an insert's backup copies (R5): the deepest due page with the pages
+    above it that lack a host copy, as ``write_backup`` of that page would copy (DEV-30).
+    Due pages lie on one key's path and have no host copy, so the run holds them all."""
+    return missing_suffix(draft, due[-1]) if due else ()
 
 
 def apply_backup(draft: Draft, run: Sequence[Key], report: Backup | None, what: str) -> bool:
     """Back up ``run`` all or nothing, as ``report`` says; True if the copy was issued."""
     if not run:
         if report is not None:
-            raise IllegalChoice(f"{what}: reported a backup, but no page is eligible")
+            raise IllegalChoice(f"{what}: reported a backup, but no page is due")
         return False
     if report is None:
         raise IllegalChoice(f"{what}: {len(run)} pages are due for backup; report the outcome")

@@ -41,7 +41,7 @@ def insert(
     ``counted_from`` (tokens, a page multiple up to the page-aligned length) is what this
     request inserted before: pages ending at or before it count no hit and are not due;
     ``chunked`` is ``counted_from`` = the page-aligned length (spec/03 3.5, 07 DEV-25).
-    ``backup`` reports the outcome of the backup run (None when no page is eligible).
+    ``backup`` reports the outcome of the backup run (None when no page is due).
 
     pre: not check(state)
     post: not check(__return__[0])

@@ -279,11 +279,7 @@ class SglangUnifiedAdapter(SglangAdapter):
             "start loads": "init_load_back is followed by ready_to_load_host_cache(), which "
                            "starts the queued copy, as the scheduler does before a batch",
         }
-        self.avoid: Mapping[str, str] = {} if self.v20 else {
-            "backup_of_uncounted_ancestors": "DEV-25: write-through backs up a due node's "
-                                             "unbacked ancestors with it; the spec backs "
-                                             "up due pages only (R5)",
-        }
+        self.avoid: Mapping[str, str] = {}
         if scenario.write_policy == "write_back":
             self.mapped = {**self.mapped, **WRITE_BACK_MAPPED}
         self.inexpressible: Mapping[str, str] = {
