@@ -103,11 +103,7 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
             "start loads": "init_load_back is followed by ready_to_load_host_cache(), which "
                            "starts the queued copy, as the scheduler does before a batch",
         }
-        self.avoid = {
-            "backup_of_uncounted_ancestors": "DEV-25/DEV-30: write-through backs up a due "
-                                             "node's unbacked ancestors with it; the spec "
-                                             "backs up due pages only (R5)",
-        }
+        self.avoid: dict[str, str] = {}  # DEV-30: the spec now backs up as SGLang does
         self.runs: list[_Run] = []
         self.loads: dict[int, tuple[int, tuple[Key, ...]]] = {}  # ack -> (seq, pages)
         self.issued = 0
