@@ -13,9 +13,8 @@ error from ``hiradix.errors`` leaves the cache as it was.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -30,7 +29,7 @@ from hiradix.distributed import LocalSync, RankSync
 from hiradix.errors import ConfigError, ForeignNode, InvalidArgument, NotLocked, SlotError
 from hiradix.host_pool import HostKVPool, HostLayout
 from hiradix.keys import RadixKey, common_pages
-from hiradix.policies import Strategy, WritePolicy, backup_threshold, rank
+from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
 from hiradix.transfer import Direction, EngineKind, TransferEngine, make_engine
 from hiradix.tree import TreeNode, split
 
@@ -181,6 +180,9 @@ class HiRadixCache:
         self.protected_tokens = 0
         self.device_leaves: set[TreeNode] = set()
         self.host_leaves: set[TreeNode] = set()
+        # The two sets in eviction order, kept across calls (not heapified per evict).
+        self._device_order = EvictionOrder(self.config.eviction, self.device_leaves)
+        self._host_order = EvictionOrder(self.config.eviction, self.host_leaves)
         self.pending: dict[Direction, deque[PendingCopy]] = {"d2h": deque(), "h2d": deque()}
         self._issued = 0
         self.last_tick = 0
@@ -234,8 +236,16 @@ class HiRadixCache:
                        and not any(c.device is not None for c in node.children.values()))
         host_leaf = (node.device is None and node.host is not None and node.host_ref == 0
                      and node.lock_ref == 0 and not node.children)
-        (self.device_leaves.add if device_leaf else self.device_leaves.discard)(node)
-        (self.host_leaves.add if host_leaf else self.host_leaves.discard)(node)
+        if not device_leaf:
+            self.device_leaves.discard(node)
+        elif node not in self.device_leaves:
+            self.device_leaves.add(node)
+            self._device_order.joined(node)
+        if not host_leaf:
+            self.host_leaves.discard(node)
+        elif node not in self.host_leaves:
+            self.host_leaves.add(node)
+            self._host_order.joined(node)
 
     def _refresh_around(self, node: TreeNode) -> None:
         self._refresh(node)
@@ -617,14 +627,6 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def _heap(self, leaves: Iterable[TreeNode]) -> list[tuple[tuple[int, ...], int, TreeNode]]:
-        heap = [(rank(self.config.eviction, n), n.id, n) for n in leaves]
-        heapq.heapify(heap)
-        return heap
-
-    def _push(self, heap: list[tuple[tuple[int, ...], int, TreeNode]], node: TreeNode) -> None:
-        heapq.heappush(heap, (rank(self.config.eviction, node), node.id, node))
-
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens in rank order (or all evictable)."""
         self._require_count(num_tokens, "num_tokens")
@@ -634,16 +636,18 @@ class HiRadixCache:
         return evicted
 
     def _evict(self, target: int) -> tuple[int, list[DeviceVictim]]:
-        heap = self._heap(self.device_leaves)
+        order = self._device_order
+        order.begin()
         evicted = 0
         victims: list[DeviceVictim] = []
         kept: set[TreeNode] = set()  # write_back victims neither copied nor droppable
-        while evicted < target and heap:
-            _, _, node = heapq.heappop(heap)
-            if node not in self.device_leaves or node in kept:
+        while evicted < target:
+            node = order.pop()
+            if node is None:
+                break
+            if node in kept:  # popped again after a compaction requeued it
                 continue
-            parent = node.parent
-            assert parent is not None
+            assert node.parent is not None
             if node.host is not None or self.config.write_policy != "write_back":
                 if self.recorder is not None:  # page refs cost O(prefix) to build
                     victims.extend(DeviceVictim(p) for p in self._page_refs(node))
@@ -654,15 +658,15 @@ class HiRadixCache:
                     # half way through a node drops only what did not fit.
                     upper = split(node, len(node.tokens) - self.page_size, self.page_size)
                     self._refresh_around(upper)
-                    parent = upper
                 victim, moved = self._evict_write_back(node)
                 victims.append(victim)
                 if not moved:
                     kept.add(node)
                     continue
                 evicted += self.page_size
-            if parent in self.device_leaves:
-                self._push(heap, parent)
+        for node in kept:  # still evictable leaves: back in the order for later calls
+            if node in self.device_leaves:
+                order.push_back(node)
         return evicted, victims
 
     def _drop_device_copy(self, node: TreeNode) -> int:
@@ -754,23 +758,21 @@ class HiRadixCache:
         return self._evict_host(shortfall)[1] if shortfall > 0 else []
 
     def _evict_host(self, target: int) -> tuple[int, list[PageRef]]:
-        heap = self._heap(self.host_leaves)
+        order = self._host_order
+        order.begin()
         evicted = 0
         victims: list[PageRef] = []
-        while evicted < target and heap:
-            _, _, node = heapq.heappop(heap)
-            if node not in self.host_leaves:
-                continue
-            parent = node.parent
-            assert parent is not None and node.host is not None
+        while evicted < target:
+            node = order.pop()
+            if node is None:
+                break
+            assert node.parent is not None and node.host is not None
             if self.recorder is not None:
                 victims.extend(self._page_refs(node))
             self.host_pool.release(node.host)
             evicted += len(node.tokens)
             node.host = None
             self._detach(node)
-            if parent in self.host_leaves:
-                self._push(heap, parent)
         return evicted, victims
 
     # ------------------------------------------------------------------ load back
