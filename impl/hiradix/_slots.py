@@ -185,16 +185,24 @@ class PageAllocator:
         argument checks, the cost of ``free`` on the eviction path. Still asserted, since
         a slip here corrupts the free list silently: the slots are whole pages in order
         (spec/03, R7), no page is released twice in one call or across calls (#10, issue
-        16); INV-DEVICE-/HOST-POOL-CONSERVATION audits the rest."""
+        16); INV-DEVICE-/HOST-POOL-CONSERVATION audits the rest. Every assert runs before
+        any change. The cache releases an operation's slots in one call (issue 13), so
+        the asserts cost a few tensor ops per operation, not per node."""
         size = self._page_size
-        pages = slots[::size] // size
-        assert slots.numel() == pages.numel() * size and bool(
-            (slots.reshape(-1, size) == pages[:, None] * size + self._offsets).all()
-        ), "released slots that are not whole pages in order"
-        assert torch.unique(pages).numel() == pages.numel(), "released a page twice in one call"
-        assert bool(self._allocated[pages].all()), "released a page that is not allocated"
-        self._allocated[pages] = False
-        self._free_pages.extend(reversed(pages.tolist()))
+        if size == 1:
+            pages = slots  # every slot is a whole page
+        else:
+            assert slots.numel() % size == 0, "released slots that are not whole pages in order"
+            groups = slots.reshape(-1, size)
+            pages = groups[:, 0] // size
+            assert torch.equal(groups, pages[:, None] * size + self._offsets), \
+                "released slots that are not whole pages in order"
+        listed = pages.tolist()
+        assert len(set(listed)) == len(listed), "released a page twice in one call"
+        assert bool(self._allocated.index_select(0, pages).all()), \
+            "released a page that is not allocated"
+        self._allocated.index_fill_(0, pages, False)
+        self._free_pages.extend(reversed(listed))
 
     def allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """A bool per slot of ``slots`` (in range, int64): whether its page is allocated."""

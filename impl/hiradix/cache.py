@@ -40,6 +40,13 @@ if TYPE_CHECKING:  # the storage tier imports this module
 EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+def _release(pool: DeviceKVPool | HostKVPool, parts: list[torch.Tensor]) -> None:
+    """Give ``pool`` back the slots of one operation in one call, so that its checks
+    (whole pages, each allocated, none twice: across the parts too) run once."""
+    if parts:
+        pool.release(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+
 @dataclass(frozen=True)
 class MatchResult:
     device_slots: torch.Tensor  # slots of the leading run of device pages
@@ -641,6 +648,7 @@ class HiRadixCache:
         evicted = 0
         victims: list[DeviceVictim] = []
         kept: set[TreeNode] = set()  # write_back victims neither copied nor droppable
+        freed: list[torch.Tensor] = []  # device slots, released in one call at the end
         while evicted < target:
             node = order.pop()
             if node is None:
@@ -651,14 +659,14 @@ class HiRadixCache:
             if node.host is not None or self.config.write_policy != "write_back":
                 if self.recorder is not None:  # page refs cost O(prefix) to build
                     victims.extend(DeviceVictim(p) for p in self._page_refs(node))
-                evicted += self._drop_device_copy(node)
+                evicted += self._drop_device_copy(node, freed)
             else:
                 if len(node.tokens) > self.page_size:
                     # write_back moves one page at a time, so that a host that fills up
                     # half way through a node drops only what did not fit.
                     upper = split(node, len(node.tokens) - self.page_size, self.page_size)
                     self._refresh_around(upper)
-                victim, moved = self._evict_write_back(node)
+                victim, moved = self._evict_write_back(node, freed)
                 victims.append(victim)
                 if not moved:
                     kept.add(node)
@@ -667,12 +675,14 @@ class HiRadixCache:
         for node in kept:  # still evictable leaves: back in the order for later calls
             if node in self.device_leaves:
                 order.push_back(node)
+        _release(self.device_pool, freed)
         return evicted, victims
 
-    def _drop_device_copy(self, node: TreeNode) -> int:
+    def _drop_device_copy(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
+        """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
+        release (the whole eviction's slots in one checked call)."""
         assert node.device is not None and node.lock_ref == 0
-        freed = len(node.tokens)
-        self.device_pool.release(node.device)
+        freed.append(node.device)
         if node.host is not None:
             self._set_device(node, None)
             self._refresh_around(node)
@@ -680,7 +690,7 @@ class HiRadixCache:
             assert not node.children, f"{node!r}: a device-only leaf with children"
             self._set_device(node, None)
             self._detach(node)
-        return freed
+        return len(node.tokens)
 
     def _detach(self, node: TreeNode) -> None:
         parent = node.parent
@@ -691,10 +701,12 @@ class HiRadixCache:
         node.parent = None
         self._refresh(parent)
 
-    def _evict_write_back(self, node: TreeNode) -> tuple[DeviceVictim, bool]:
+    def _evict_write_back(self, node: TreeNode,
+                          freed: list[torch.Tensor]) -> tuple[DeviceVictim, bool]:
         """Copy a one-page device leaf to host on its way out, or drop it if no room; or,
         if no room and its host-only subtree holds a protected copy, keep it on device
-        (spec/09, S-R5). Returns the victim and whether the device page was freed."""
+        (spec/09, S-R5). Returns the victim and whether the device page was freed (its
+        device slots, and any of the subtree, go to ``freed``)."""
         page = self._page_refs(node)[0]
         host_victims = self._make_host_room(self.page_size)
         host = self.host_pool.alloc(self.page_size)
@@ -703,13 +715,13 @@ class HiRadixCache:
             victim = DeviceVictim(page, tuple(host_victims), None)
             if self._protected_below(node):
                 return victim, False
-            self._drop_subtree(node)
+            self._drop_subtree(node, freed)
             return victim, True
         # Eviction under write_back waits for its copy (SGLang blocks in writing_check),
         # so it copies directly rather than through the asynchronous engine.
         self.host_pool.copy_from_device(self.device_pool, node.device, host)
         node.host = host
-        self.device_pool.release(node.device)
+        freed.append(node.device)
         self._set_device(node, None)
         self._refresh_around(node)
         if self.on_write_back is not None:
@@ -727,22 +739,26 @@ class HiRadixCache:
             stack.extend(n.children.values())
         return False
 
-    def _drop_subtree(self, node: TreeNode) -> None:
+    def _drop_subtree(self, node: TreeNode, freed: list[torch.Tensor]) -> None:
+        """Remove ``node``'s subtree: its host slots are released here (the caller's
+        next host allocation counts on them), its device slots go to ``freed``."""
         stack, doomed = [node], []
         while stack:
             n = stack.pop()
             doomed.append(n)
             stack.extend(n.children.values())
         assert not any(n.host_ref for n in doomed), "dropping a protected host copy"
+        host_freed = []
         for n in doomed:
             if n.host is not None:
-                self.host_pool.release(n.host)
+                host_freed.append(n.host)
                 n.host = None
             if n.device is not None:
-                self.device_pool.release(n.device)
+                freed.append(n.device)
                 self._set_device(n, None)
             self.device_leaves.discard(n)
             self.host_leaves.discard(n)
+        _release(self.host_pool, host_freed)
         self._detach(node)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -762,6 +778,7 @@ class HiRadixCache:
         order.begin()
         evicted = 0
         victims: list[PageRef] = []
+        freed: list[torch.Tensor] = []
         while evicted < target:
             node = order.pop()
             if node is None:
@@ -769,10 +786,11 @@ class HiRadixCache:
             assert node.parent is not None and node.host is not None
             if self.recorder is not None:
                 victims.extend(self._page_refs(node))
-            self.host_pool.release(node.host)
+            freed.append(node.host)
             evicted += len(node.tokens)
             node.host = None
             self._detach(node)
+        _release(self.host_pool, freed)
         return evicted, victims
 
     # ------------------------------------------------------------------ load back
