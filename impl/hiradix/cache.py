@@ -361,16 +361,13 @@ class HiRadixCache:
         page, in order. The tree, copies and ``release`` are page-granular, so anything
         else would free one page twice and leak another (issue 16). One comparison with
         what whole pages would be: each run's first slot rounded down to its page, plus
-        the offsets."""
+        the offsets (the partial tail compares with its page's first slots)."""
         size = self.page_size
         if size == 1:
             return
-        whole = len(slots) - len(slots) % size
-        groups = slots[:whole].reshape(-1, size)
-        tail = slots[whole:]
-        if torch.equal(groups, groups[:, :1] // size * size + self._offsets) and (
-                not len(tail) or torch.equal(tail, tail[0] // size * size
-                                             + self._offsets[:len(tail)])):
+        starts = slots[::size]
+        pages = (starts - starts % size)[:, None] + self._offsets
+        if torch.equal(slots, pages.view(-1)[:len(slots)]):
             return
         for start in range(0, len(slots), size):  # only on failure: find and explain
             run = slots[start:start + size].tolist()
@@ -394,6 +391,9 @@ class HiRadixCache:
         cache's own (a node's slots are distinct and owned, so a caller's slot can equal
         none of them), which keeps a long shared prefix cheap."""
         self._check_whole_pages(slots)
+        if self._insert_slots_plainly_valid(slots, walked):
+            return
+        # The general case, and every failure (explained here, slot by slot).
         reuse = torch.zeros(len(slots), dtype=torch.bool)
         start = 0
         for node, matched in walked:
@@ -417,6 +417,39 @@ class HiRadixCache:
                                   "nor the cache's own slot for this position")
         if torch.unique(others).numel() != len(others):
             raise InvalidArgument("slots", "holds a slot twice")
+
+    def _insert_slots_plainly_valid(self, slots: torch.Tensor,
+                                    walked: list[tuple[TreeNode, int]]) -> bool:
+        """The common case of ``_check_insert_slots`` in a few tensor ops: the slots
+        start with the cache's own for the walked device run (what ``match_prefix``
+        returned) and the rest, past it, are distinct slots the caller holds. True only
+        if so; False sends the caller to the general check, which finds any error."""
+        own: list[torch.Tensor] = []
+        end = 0
+        for node, matched in walked:
+            if node.device is None:
+                break
+            own.append(node.device[:matched])
+            end += matched
+        if any(node.device is not None for node, _ in walked[len(own):]):
+            return False  # a device node past a host-only one: the general check
+        if own and not torch.equal(slots[:end], own[0] if len(own) == 1 else torch.cat(own)):
+            return False
+        rest = slots[end:]
+        if not len(rest):
+            return True
+        low, high = torch.aminmax(rest)
+        if int(low) < 0 or int(high) >= self.device_pool.num_slots:
+            return False
+        if not bool(self.device_pool.allocator.allocated(rest).all()) \
+                or bool(self._device_owned.index_select(0, rest).any()):
+            return False
+        if self.page_size == 1:
+            return torch.unique(rest).numel() == len(rest)
+        # Whole pages in order (checked above; ``end`` is a page multiple): slots repeat
+        # iff page starts do, the partial tail included.
+        starts = rest[::self.page_size].tolist()
+        return len(set(starts)) == len(starts)
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
@@ -531,7 +564,7 @@ class HiRadixCache:
             node.host = host[start:start + len(node.tokens)].clone()
             start += len(node.tokens)
         source = torch.cat([n.device for n in run if n.device is not None])
-        ticket = self.engine.submit("d2h", source, host)
+        ticket = self.engine.submit_unchecked("d2h", source, host)
         self._add_lock(run[-1], +1)  # the device source must outlive the copy
         self._issued += 1
         self.pending["d2h"].append(PendingCopy(ticket, self._issued, run[-1], need, source, host))
@@ -719,7 +752,7 @@ class HiRadixCache:
             return victim, True
         # Eviction under write_back waits for its copy (SGLang blocks in writing_check),
         # so it copies directly rather than through the asynchronous engine.
-        self.host_pool.copy_from_device(self.device_pool, node.device, host)
+        self.host_pool.copy_from_device_unchecked(self.device_pool, node.device, host)
         node.host = host
         freed.append(node.device)
         self._set_device(node, None)
@@ -842,7 +875,7 @@ class HiRadixCache:
         for n in chain:
             self._refresh_around(n)
         source = torch.cat([n.host for n in chain if n.host is not None])
-        ticket = self.engine.submit("h2d", device, source)
+        ticket = self.engine.submit_unchecked("h2d", device, source)
         self._add_lock(node, +1)  # released by loading_check
         self._issued += 1
         self.pending["h2d"].append(PendingCopy(ticket, self._issued, node, tokens, source, device))

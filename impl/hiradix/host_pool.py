@@ -224,6 +224,11 @@ class HostKVPool(SlotPool):
         ``land``."""
         pool, device, host, layer = self._check_copy(device_pool, device_slots, host_slots,
                                                      layer, non_blocking, to_host=True)
+        return self._begin(pool, device, host, layer, non_blocking)
+
+    def _begin(self, pool: DeviceKVPool, device: torch.Tensor, host: torch.Tensor,
+               layer: int | None, non_blocking: bool) -> StagedCopy:
+        """``begin_from_device`` on arguments ``_check_copy`` has passed."""
         index = pool.to_index(device)
         gathered = pool.gather(index, layer).contiguous()
         if pool.device.type == "cuda" and non_blocking:
@@ -259,11 +264,20 @@ class HostKVPool(SlotPool):
         wait at all."""
         pool, device, host, checked = self._check_copy(device_pool, device_slots, host_slots,
                                                        layer, non_blocking, to_host=True)
-        if self._rows_match(pool, checked):
-            _copy_rows(pool.kv, device, self.kv, host)
+        self.copy_from_device_unchecked(pool, device, host, checked, non_blocking)
+
+    def copy_from_device_unchecked(self, device_pool: DeviceKVPool, device_slots: torch.Tensor,
+                                   host_slots: torch.Tensor, layer: int | None = None,
+                                   non_blocking: bool = False) -> None:
+        """``copy_from_device`` without its argument checks, for callers whose arguments
+        are valid by construction (the copy engine, which checked them at ``submit``; the
+        cache, copying slots its allocators handed out): CPU int64 slot tensors of equal
+        length, in range, no host slot twice; a pool of this geometry. Validated once at
+        the public boundary, not again on every internal hop (issue 13)."""
+        if self._rows_match(device_pool, layer):
+            _copy_rows(device_pool.kv, device_slots, self.kv, host_slots)
             return
-        self.land(self.begin_from_device(device_pool, device_slots, host_slots, layer=layer,
-                                         non_blocking=non_blocking))
+        self.land(self._begin(device_pool, device_slots, host_slots, layer, non_blocking))
 
     def _rows_match(self, pool: DeviceKVPool, layer: int | None) -> bool:
         """Whether a whole copy can go row to row, with no staging: both tensors on the
@@ -295,6 +309,16 @@ class HostKVPool(SlotPool):
         if on_layer is not None and not callable(on_layer):
             raise SlotError("on_layer", f"must be callable or None, got "
                                         f"{type(on_layer).__name__}")
+        return self.copy_to_device_unchecked(pool, host, device, layer, non_blocking,
+                                             on_layer=on_layer)
+
+    def copy_to_device_unchecked(self, pool: DeviceKVPool, host: torch.Tensor,
+                                 device: torch.Tensor, layer: int | None = None,
+                                 non_blocking: bool = False, *,
+                                 on_layer: Callable[[int], None] | None = None
+                                 ) -> tuple[torch.Tensor, ...]:
+        """``copy_to_device`` without its argument checks (as for
+        ``copy_from_device_unchecked``; here no device slot twice)."""
         if on_layer is None and self._rows_match(pool, layer):
             _copy_rows(self.kv, host, pool.kv, device)
             return ()
