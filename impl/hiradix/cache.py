@@ -219,10 +219,10 @@ class HiRadixCache:
     def _set_device(self, node: TreeNode, slots: torch.Tensor | None) -> None:
         self._count(node, -1)
         if node.device is not None:
-            self._device_owned[node.device] = False
+            self._device_owned.index_fill_(0, node.device, False)
         node.device = slots
         if slots is not None:
-            self._device_owned[slots] = True
+            self._device_owned.index_fill_(0, slots, True)
         self._count(node, +1)
 
     def _add_lock(self, node: TreeNode, delta: int) -> int:
@@ -444,12 +444,11 @@ class HiRadixCache:
         if not bool(self.device_pool.allocator.allocated(rest).all()) \
                 or bool(self._device_owned.index_select(0, rest).any()):
             return False
-        if self.page_size == 1:
-            return torch.unique(rest).numel() == len(rest)
         # Whole pages in order (checked above; ``end`` is a page multiple): slots repeat
-        # iff page starts do, the partial tail included.
-        starts = rest[::self.page_size].tolist()
-        return len(set(starts)) == len(starts)
+        # iff their pages do, the partial tail's included.
+        size = self.page_size
+        return not self.device_pool.allocator.repeated(rest if size == 1
+                                                       else rest[::size] // size)
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
