@@ -85,6 +85,10 @@ class PageAllocator:
         self._page_size = page_size
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         self._allocated = torch.zeros(num_slots // page_size, dtype=torch.bool)
+        # For ``repeated``: a position per page (no state: overwritten by every call) and
+        # the positions 0, 1, 2, ... it compares with.
+        self._scratch = torch.zeros(num_slots // page_size, dtype=torch.int32)
+        self._positions = torch.arange(num_slots // page_size, dtype=torch.int32)
         self._free_pages: list[int] = []  # the top of the stack is the end of the list
         self.reset()
 
@@ -185,16 +189,34 @@ class PageAllocator:
         argument checks, the cost of ``free`` on the eviction path. Still asserted, since
         a slip here corrupts the free list silently: the slots are whole pages in order
         (spec/03, R7), no page is released twice in one call or across calls (#10, issue
-        16); INV-DEVICE-/HOST-POOL-CONSERVATION audits the rest."""
+        16); INV-DEVICE-/HOST-POOL-CONSERVATION audits the rest. Every assert runs before
+        any change. The cache releases an operation's slots in one call (issue 13), so
+        the asserts cost a few tensor ops per operation, not per node."""
         size = self._page_size
-        pages = slots[::size] // size
-        assert slots.numel() == pages.numel() * size and bool(
-            (slots.reshape(-1, size) == pages[:, None] * size + self._offsets).all()
-        ), "released slots that are not whole pages in order"
-        assert torch.unique(pages).numel() == pages.numel(), "released a page twice in one call"
-        assert bool(self._allocated[pages].all()), "released a page that is not allocated"
-        self._allocated[pages] = False
+        if size == 1:
+            pages = slots  # every slot is a whole page
+        else:
+            assert slots.numel() % size == 0, "released slots that are not whole pages in order"
+            groups = slots.reshape(-1, size)
+            pages = groups[:, 0] // size
+            assert torch.equal(groups, pages[:, None] * size + self._offsets), \
+                "released slots that are not whole pages in order"
+        assert not self.repeated(pages), "released a page twice in one call"
+        assert bool(self._allocated.index_select(0, pages).all()), \
+            "released a page that is not allocated"
+        self._allocated.index_fill_(0, pages, False)
         self._free_pages.extend(reversed(pages.tolist()))
+
+    def repeated(self, pages: torch.Tensor) -> bool:
+        """Whether a page id of ``pages`` (int64, each in range) occurs twice: each page
+        records its position in ``pages``; a repeated page kept only one of its positions,
+        so reading the positions back differs. Three ops, O(len(pages)), no sort."""
+        count = pages.numel()
+        if count > self._positions.numel():  # more than there are pages: a page repeats
+            return True
+        positions = self._positions[:count]
+        self._scratch.index_copy_(0, pages, positions)
+        return not torch.equal(self._scratch.index_select(0, pages), positions)
 
     def allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """A bool per slot of ``slots`` (in range, int64): whether its page is allocated."""

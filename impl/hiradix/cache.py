@@ -13,9 +13,8 @@ error from ``hiradix.errors`` leaves the cache as it was.
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -30,7 +29,7 @@ from hiradix.distributed import LocalSync, RankSync
 from hiradix.errors import ConfigError, ForeignNode, InvalidArgument, NotLocked, SlotError
 from hiradix.host_pool import HostKVPool, HostLayout
 from hiradix.keys import RadixKey, common_pages
-from hiradix.policies import Strategy, WritePolicy, backup_threshold, rank
+from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
 from hiradix.transfer import Direction, EngineKind, TransferEngine, make_engine
 from hiradix.tree import TreeNode, split
 
@@ -39,6 +38,13 @@ if TYPE_CHECKING:  # the storage tier imports this module
     from hiradix.storage.tier import StorageTier, TierSettings
 
 EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _release(pool: DeviceKVPool | HostKVPool, parts: list[torch.Tensor]) -> None:
+    """Give ``pool`` back the slots of one operation in one call, so that its checks
+    (whole pages, each allocated, none twice: across the parts too) run once."""
+    if parts:
+        pool.release(parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,9 @@ class HiRadixCache:
         self.protected_tokens = 0
         self.device_leaves: set[TreeNode] = set()
         self.host_leaves: set[TreeNode] = set()
+        # The two sets in eviction order, kept across calls (not heapified per evict).
+        self._device_order = EvictionOrder(self.config.eviction, self.device_leaves)
+        self._host_order = EvictionOrder(self.config.eviction, self.host_leaves)
         self.pending: dict[Direction, deque[PendingCopy]] = {"d2h": deque(), "h2d": deque()}
         self._issued = 0
         self.last_tick = 0
@@ -210,10 +219,10 @@ class HiRadixCache:
     def _set_device(self, node: TreeNode, slots: torch.Tensor | None) -> None:
         self._count(node, -1)
         if node.device is not None:
-            self._device_owned[node.device] = False
+            self._device_owned.index_fill_(0, node.device, False)
         node.device = slots
         if slots is not None:
-            self._device_owned[slots] = True
+            self._device_owned.index_fill_(0, slots, True)
         self._count(node, +1)
 
     def _add_lock(self, node: TreeNode, delta: int) -> int:
@@ -234,8 +243,16 @@ class HiRadixCache:
                        and not any(c.device is not None for c in node.children.values()))
         host_leaf = (node.device is None and node.host is not None and node.host_ref == 0
                      and node.lock_ref == 0 and not node.children)
-        (self.device_leaves.add if device_leaf else self.device_leaves.discard)(node)
-        (self.host_leaves.add if host_leaf else self.host_leaves.discard)(node)
+        if not device_leaf:
+            self.device_leaves.discard(node)
+        elif node not in self.device_leaves:
+            self.device_leaves.add(node)
+            self._device_order.joined(node)
+        if not host_leaf:
+            self.host_leaves.discard(node)
+        elif node not in self.host_leaves:
+            self.host_leaves.add(node)
+            self._host_order.joined(node)
 
     def _refresh_around(self, node: TreeNode) -> None:
         self._refresh(node)
@@ -344,16 +361,13 @@ class HiRadixCache:
         page, in order. The tree, copies and ``release`` are page-granular, so anything
         else would free one page twice and leak another (issue 16). One comparison with
         what whole pages would be: each run's first slot rounded down to its page, plus
-        the offsets."""
+        the offsets (the partial tail compares with its page's first slots)."""
         size = self.page_size
         if size == 1:
             return
-        whole = len(slots) - len(slots) % size
-        groups = slots[:whole].reshape(-1, size)
-        tail = slots[whole:]
-        if torch.equal(groups, groups[:, :1] // size * size + self._offsets) and (
-                not len(tail) or torch.equal(tail, tail[0] // size * size
-                                             + self._offsets[:len(tail)])):
+        starts = slots[::size]
+        pages = (starts - starts % size)[:, None] + self._offsets
+        if torch.equal(slots, pages.view(-1)[:len(slots)]):
             return
         for start in range(0, len(slots), size):  # only on failure: find and explain
             run = slots[start:start + size].tolist()
@@ -377,6 +391,9 @@ class HiRadixCache:
         cache's own (a node's slots are distinct and owned, so a caller's slot can equal
         none of them), which keeps a long shared prefix cheap."""
         self._check_whole_pages(slots)
+        if self._insert_slots_plainly_valid(slots, walked):
+            return
+        # The general case, and every failure (explained here, slot by slot).
         reuse = torch.zeros(len(slots), dtype=torch.bool)
         start = 0
         for node, matched in walked:
@@ -400,6 +417,38 @@ class HiRadixCache:
                                   "nor the cache's own slot for this position")
         if torch.unique(others).numel() != len(others):
             raise InvalidArgument("slots", "holds a slot twice")
+
+    def _insert_slots_plainly_valid(self, slots: torch.Tensor,
+                                    walked: list[tuple[TreeNode, int]]) -> bool:
+        """The common case of ``_check_insert_slots`` in a few tensor ops: the slots
+        start with the cache's own for the walked device run (what ``match_prefix``
+        returned) and the rest, past it, are distinct slots the caller holds. True only
+        if so; False sends the caller to the general check, which finds any error."""
+        own: list[torch.Tensor] = []
+        end = 0
+        for node, matched in walked:
+            if node.device is None:
+                break
+            own.append(node.device[:matched])
+            end += matched
+        if any(node.device is not None for node, _ in walked[len(own):]):
+            return False  # a device node past a host-only one: the general check
+        if own and not torch.equal(slots[:end], own[0] if len(own) == 1 else torch.cat(own)):
+            return False
+        rest = slots[end:]
+        if not len(rest):
+            return True
+        low, high = torch.aminmax(rest)
+        if int(low) < 0 or int(high) >= self.device_pool.num_slots:
+            return False
+        if not bool(self.device_pool.allocator.allocated(rest).all()) \
+                or bool(self._device_owned.index_select(0, rest).any()):
+            return False
+        # Whole pages in order (checked above; ``end`` is a page multiple): slots repeat
+        # iff their pages do, the partial tail's included.
+        size = self.page_size
+        return not self.device_pool.allocator.repeated(rest if size == 1
+                                                       else rest[::size] // size)
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
@@ -506,7 +555,7 @@ class HiRadixCache:
             node.host = host[start:start + len(node.tokens)].clone()
             start += len(node.tokens)
         source = torch.cat([n.device for n in run if n.device is not None])
-        ticket = self.engine.submit("d2h", source, host)
+        ticket = self.engine.submit_unchecked("d2h", source, host)
         self._add_lock(run[-1], +1)  # the device source must outlive the copy
         self._issued += 1
         self.pending["d2h"].append(PendingCopy(ticket, self._issued, run[-1], need, source, host))
@@ -606,14 +655,6 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def _heap(self, leaves: Iterable[TreeNode]) -> list[tuple[tuple[int, ...], int, TreeNode]]:
-        heap = [(rank(self.config.eviction, n), n.id, n) for n in leaves]
-        heapq.heapify(heap)
-        return heap
-
-    def _push(self, heap: list[tuple[tuple[int, ...], int, TreeNode]], node: TreeNode) -> None:
-        heapq.heappush(heap, (rank(self.config.eviction, node), node.id, node))
-
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens in rank order (or all evictable)."""
         self._require_count(num_tokens, "num_tokens")
@@ -623,41 +664,46 @@ class HiRadixCache:
         return evicted
 
     def _evict(self, target: int) -> tuple[int, list[DeviceVictim]]:
-        heap = self._heap(self.device_leaves)
+        order = self._device_order
+        order.begin()
         evicted = 0
         victims: list[DeviceVictim] = []
         kept: set[TreeNode] = set()  # write_back victims neither copied nor droppable
-        while evicted < target and heap:
-            _, _, node = heapq.heappop(heap)
-            if node not in self.device_leaves or node in kept:
+        freed: list[torch.Tensor] = []  # device slots, released in one call at the end
+        while evicted < target:
+            node = order.pop()
+            if node is None:
+                break
+            if node in kept:  # popped again after a compaction requeued it
                 continue
-            parent = node.parent
-            assert parent is not None
+            assert node.parent is not None
             if node.host is not None or self.config.write_policy != "write_back":
                 if self.recorder is not None:  # page refs cost O(prefix) to build
                     victims.extend(DeviceVictim(p) for p in self._page_refs(node))
-                evicted += self._drop_device_copy(node)
+                evicted += self._drop_device_copy(node, freed)
             else:
                 if len(node.tokens) > self.page_size:
                     # write_back moves one page at a time, so that a host that fills up
                     # half way through a node drops only what did not fit.
                     upper = split(node, len(node.tokens) - self.page_size, self.page_size)
                     self._refresh_around(upper)
-                    parent = upper
-                victim, moved = self._evict_write_back(node)
+                victim, moved = self._evict_write_back(node, freed)
                 victims.append(victim)
                 if not moved:
                     kept.add(node)
                     continue
                 evicted += self.page_size
-            if parent in self.device_leaves:
-                self._push(heap, parent)
+        for node in kept:  # still evictable leaves: back in the order for later calls
+            if node in self.device_leaves:
+                order.push_back(node)
+        _release(self.device_pool, freed)
         return evicted, victims
 
-    def _drop_device_copy(self, node: TreeNode) -> int:
+    def _drop_device_copy(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
+        """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
+        release (the whole eviction's slots in one checked call)."""
         assert node.device is not None and node.lock_ref == 0
-        freed = len(node.tokens)
-        self.device_pool.release(node.device)
+        freed.append(node.device)
         if node.host is not None:
             self._set_device(node, None)
             self._refresh_around(node)
@@ -665,7 +711,7 @@ class HiRadixCache:
             assert not node.children, f"{node!r}: a device-only leaf with children"
             self._set_device(node, None)
             self._detach(node)
-        return freed
+        return len(node.tokens)
 
     def _detach(self, node: TreeNode) -> None:
         parent = node.parent
@@ -676,10 +722,12 @@ class HiRadixCache:
         node.parent = None
         self._refresh(parent)
 
-    def _evict_write_back(self, node: TreeNode) -> tuple[DeviceVictim, bool]:
+    def _evict_write_back(self, node: TreeNode,
+                          freed: list[torch.Tensor]) -> tuple[DeviceVictim, bool]:
         """Copy a one-page device leaf to host on its way out, or drop it if no room; or,
         if no room and its host-only subtree holds a protected copy, keep it on device
-        (spec/09, S-R5). Returns the victim and whether the device page was freed."""
+        (spec/09, S-R5). Returns the victim and whether the device page was freed (its
+        device slots, and any of the subtree, go to ``freed``)."""
         page = self._page_refs(node)[0]
         host_victims = self._make_host_room(self.page_size)
         host = self.host_pool.alloc(self.page_size)
@@ -688,13 +736,13 @@ class HiRadixCache:
             victim = DeviceVictim(page, tuple(host_victims), None)
             if self._protected_below(node):
                 return victim, False
-            self._drop_subtree(node)
+            self._drop_subtree(node, freed)
             return victim, True
         # Eviction under write_back waits for its copy (SGLang blocks in writing_check),
         # so it copies directly rather than through the asynchronous engine.
-        self.host_pool.copy_from_device(self.device_pool, node.device, host)
+        self.host_pool.copy_from_device_unchecked(self.device_pool, node.device, host)
         node.host = host
-        self.device_pool.release(node.device)
+        freed.append(node.device)
         self._set_device(node, None)
         self._refresh_around(node)
         if self.on_write_back is not None:
@@ -712,22 +760,26 @@ class HiRadixCache:
             stack.extend(n.children.values())
         return False
 
-    def _drop_subtree(self, node: TreeNode) -> None:
+    def _drop_subtree(self, node: TreeNode, freed: list[torch.Tensor]) -> None:
+        """Remove ``node``'s subtree: its host slots are released here (the caller's
+        next host allocation counts on them), its device slots go to ``freed``."""
         stack, doomed = [node], []
         while stack:
             n = stack.pop()
             doomed.append(n)
             stack.extend(n.children.values())
         assert not any(n.host_ref for n in doomed), "dropping a protected host copy"
+        host_freed = []
         for n in doomed:
             if n.host is not None:
-                self.host_pool.release(n.host)
+                host_freed.append(n.host)
                 n.host = None
             if n.device is not None:
-                self.device_pool.release(n.device)
+                freed.append(n.device)
                 self._set_device(n, None)
             self.device_leaves.discard(n)
             self.host_leaves.discard(n)
+        _release(self.host_pool, host_freed)
         self._detach(node)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -743,23 +795,23 @@ class HiRadixCache:
         return self._evict_host(shortfall)[1] if shortfall > 0 else []
 
     def _evict_host(self, target: int) -> tuple[int, list[PageRef]]:
-        heap = self._heap(self.host_leaves)
+        order = self._host_order
+        order.begin()
         evicted = 0
         victims: list[PageRef] = []
-        while evicted < target and heap:
-            _, _, node = heapq.heappop(heap)
-            if node not in self.host_leaves:
-                continue
-            parent = node.parent
-            assert parent is not None and node.host is not None
+        freed: list[torch.Tensor] = []
+        while evicted < target:
+            node = order.pop()
+            if node is None:
+                break
+            assert node.parent is not None and node.host is not None
             if self.recorder is not None:
                 victims.extend(self._page_refs(node))
-            self.host_pool.release(node.host)
+            freed.append(node.host)
             evicted += len(node.tokens)
             node.host = None
             self._detach(node)
-            if parent in self.host_leaves:
-                self._push(heap, parent)
+        _release(self.host_pool, freed)
         return evicted, victims
 
     # ------------------------------------------------------------------ load back
@@ -811,7 +863,7 @@ class HiRadixCache:
         for n in chain:
             self._refresh_around(n)
         source = torch.cat([n.host for n in chain if n.host is not None])
-        ticket = self.engine.submit("h2d", device, source)
+        ticket = self.engine.submit_unchecked("h2d", device, source)
         self._add_lock(node, +1)  # released by loading_check
         self._issued += 1
         self.pending["h2d"].append(PendingCopy(ticket, self._issued, node, tokens, source, device))

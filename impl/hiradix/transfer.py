@@ -100,12 +100,13 @@ class TransferEngine(ABC):
 
     def _copy_now(self, copy: Copy) -> None:
         """Move ``copy``'s bytes synchronously, reading the source as it is now."""
+        # Checked at submit: not again here (issue 13).
         if copy.direction == "d2h":
-            self.host_pool.copy_from_device(self.device_pool, copy.device_slots,
-                                            copy.host_slots)
+            self.host_pool.copy_from_device_unchecked(self.device_pool, copy.device_slots,
+                                                      copy.host_slots)
         else:
-            self.host_pool.copy_to_device(self.device_pool, copy.host_slots,
-                                          copy.device_slots)
+            self.host_pool.copy_to_device_unchecked(self.device_pool, copy.host_slots,
+                                                    copy.device_slots)
         copy.completed = True
 
     # -- the interface -------------------------------------------------------------------
@@ -121,9 +122,18 @@ class TransferEngine(ABC):
         if device.numel() != host.numel():
             raise SlotError("host_slots", f"holds {host.numel()} slots but device_slots holds "
                                           f"{device.numel()}")
-        copy = Copy(self._next_ticket, checked, device.clone(), host.clone())
+        return self.submit_unchecked(checked, device.clone(), host.clone())
+
+    def submit_unchecked(self, direction: Direction, device_slots: torch.Tensor,
+                         host_slots: torch.Tensor) -> int:
+        """``submit`` for a caller whose arguments are valid by construction (the cache:
+        slots its allocators handed out, no destination slot twice, CPU int64 tensors of
+        equal length): no checks and no defensive copies, so the caller must leave both
+        tensors unchanged until the copy is acknowledged. Validated once at the public
+        boundary, not on internal calls (issue 13)."""
+        copy = Copy(self._next_ticket, direction, device_slots, host_slots)
         self._start(copy)
-        self._queues[checked].append(copy)
+        self._queues[direction].append(copy)
         self._next_ticket += 1
         return copy.ticket
 

@@ -171,6 +171,19 @@ class Ours:
                                      if n.device is not None or n.host is not None))
 
 
+def _evict_and_alloc(timings: Timings, cache: Any, alloc: Any, params: Callable[..., Any],
+                     tokens: int, page_size: int) -> torch.Tensor | None:
+    """An SGLang scheduler's step before insert: room for ``tokens`` new tokens rounded
+    up to whole pages (the shortfall evicted, timed, with ``params(num_tokens=...)``, the
+    cache's ``EvictParams``), then those slots from ``alloc`` (None if none are needed or
+    too few are free)."""
+    need = -(-tokens // page_size) * page_size
+    if need > alloc.available_size():
+        evict = params(num_tokens=need - alloc.available_size())
+        timings.timed("evict", lambda: cache.evict(evict))
+    return alloc.alloc(need) if need else None
+
+
 class Sglang:
     def __init__(self, page_size: int, device_slots: int, host_slots: int,
                  hierarchical: bool) -> None:
@@ -205,11 +218,7 @@ class Sglang:
         node = got.last_device_node
         c.inc_lock_ref(node)
         cached = len(got.device_indices)
-        need = -(-(n - cached) // self.ps) * self.ps
-        if need > alloc.available_size():
-            evict = m.EvictParams(num_tokens=need - alloc.available_size())
-            t.timed("evict", lambda: c.evict(evict))
-        new = alloc.alloc(need) if need else None
+        new = _evict_and_alloc(t, c, alloc, m.EvictParams, n - cached, self.ps)
         if new is not None:
             slots = torch.cat([got.device_indices, new[: n - cached]])
             insert = m.InsertParams(key=key, value=slots)
@@ -301,11 +310,7 @@ class Unified:
             got, device = self._match(params)
         receipt = c.inc_lock_ref(got.last_device_node)
         cached = len(device)
-        need = -(-(n - cached) // self.ps) * self.ps
-        if need > alloc.available_size():
-            evict = m.EvictParams(num_tokens=need - alloc.available_size())
-            t.timed("evict", lambda: c.evict(evict))
-        new = alloc.alloc(need) if need else None
+        new = _evict_and_alloc(t, c, alloc, m.EvictParams, n - cached, self.ps)
         if new is not None:
             insert = m.InsertParams(key=key, value=torch.cat([device, new[: n - cached]]),
                                     prev_prefix_len=cached)
