@@ -468,10 +468,12 @@ class StorageTier:
         if not self._worth(self._attached.settings, len(hashes)):
             return 0
         try:
-            return self.page_size * self._attached.backend.exists(hashes)
+            hits = self._attached.backend.exists(hashes)
         except Exception:  # the docstring's "answers 0": a question, not a failure
             self.metrics.hit_query_errors += 1
-            return 0
+            hits = 0
+        # Every rank asks, a failed one too: the hit length is the ranks' minimum (12.3).
+        return self.page_size * self.cache.sync.min(hits, "storage hit")
 
     @_serialised
     def prefetch_from_storage(self, request: str, key: RadixKey,
@@ -497,7 +499,8 @@ class StorageTier:
             self._protect(anchor_run, +1)
         # The shortfall only (DEV-S7); the victims are kept for the conformance layer.
         self.last_host_victims = self.cache._make_host_room(size * len(hashes))
-        fit = min(len(hashes), self.cache.host_pool.num_free_slots // size)
+        free = self.cache.sync.min(self.cache.host_pool.num_free_slots, "prefetch room")
+        fit = min(len(hashes), free // size)
         if fit == 0 or size * fit < settings.prefetch_threshold:
             if depth > 0:
                 self._protect(anchor_run, -1)
@@ -628,7 +631,9 @@ class StorageTier:
         if prefetch is None:
             return True
         attachment = self._require()
-        if not self._may_end(attachment.settings, prefetch, self._timeout_now(now)):
+        # The ranks end it together or not at all, and agree on what landed (12.3).
+        may_end = self._may_end(attachment.settings, prefetch, self._timeout_now(now))
+        if not self.cache.sync.min(int(may_end), "prefetch may end"):
             return False
         tail: Destination = "queue"
         if prefetch.io_running and not prefetch.terminated:
@@ -637,7 +642,7 @@ class StorageTier:
             # Pages counted done are in their slots; the rest stay with the I/O.
             prefetch.landed = max(prefetch.landed, progress or 0)
             tail = "io"
-        landed = min(prefetch.landed, prefetch.owned)
+        landed = self.cache.sync.min(min(prefetch.landed, prefetch.owned), "prefetch landed")
         inserted = self._insert_landed(prefetch, now, landed)
         self._give_up(prefetch, landed, tail)
         prefetch.owned = 0
@@ -757,8 +762,12 @@ class StorageTier:
         attachment = self._require()
         self._require_backed_up_run(run)
         hashes = self._hashes(run.key, attachment.identity)
-        lacking = [page for page in range(run.start, run.end)
-                   if not self._stored(attachment.backend, hashes[page])]
+        # A page is stored only if every rank stored its shard (12.3).
+        stored = self.cache.sync.min_all(
+            [int(self._stored(attachment.backend, hashes[page]))
+             for page in range(run.start, run.end)], "stored")
+        lacking = [page for page, kept in zip(range(run.start, run.end), stored, strict=True)
+                   if not kept]
         if not lacking:
             return False
         runs = [PageRun(run.key, page, page + 1) for page in lacking]
@@ -826,10 +835,7 @@ class StorageTier:
         self._poll()
         state = self.state
         revokes = len(state.revoke_queue)
-        for prefetch_id in state.revoke_queue:
-            prefetch = self._by_id(prefetch_id)
-            if prefetch is not None:  # DEV-S2: an id whose prefetch ended does nothing
-                self._end(prefetch)
+        self._revoke_agreed()  # DEV-S2: an id whose prefetch ended does nothing
         state.revoke_queue.clear()
         acked = [w for w in state.writes.values() if w.phase == "acked"]
         for write in acked:
@@ -842,6 +848,25 @@ class StorageTier:
         return revokes, len(acked), len(freed)
 
     # ------------------------------------------------------------------ checks
+
+    def _revoke_agreed(self) -> None:
+        """End the prefetches revoked on any rank, on every rank (12.3: a storage miss on
+        one rank is a miss for all). One collective over the ongoing prefetches, which
+        the ranks agree on; none when there are none, on every rank alike."""
+        ongoing = sorted(self.state.prefetches.values(), key=lambda p: p.id)
+        if not ongoing:
+            return
+        revoked = set(self.state.revoke_queue)
+        kept = self.cache.sync.min_all([int(p.id not in revoked) for p in ongoing],
+                                       "prefetch kept")
+        for prefetch, keep in zip(ongoing, kept, strict=True):
+            if keep:
+                continue
+            if prefetch.id not in revoked:  # revoked elsewhere: give up like an abort
+                if prefetch.io_running:
+                    self._require().io.terminate(prefetch.id)
+                self._give_up(prefetch, 0, "io" if prefetch.io_running else "queue")
+            self._end(prefetch)
 
     @_serialised
     def host_slots_owned(self) -> list[int]:
