@@ -91,9 +91,11 @@ class CollectiveMismatch(RuntimeError):
 class LocalRanks:
     """``world`` ranks in one process, one thread each, meeting at every collective.
 
-    ``sync(rank)`` is rank ``rank``'s ``RankSync``. A collective waits for every rank;
-    ranks that reach collectives of different names, or a rank that never comes within
-    ``timeout_s``, raise ``CollectiveMismatch`` naming the collective, in every rank."""
+    ``sync(rank)`` is rank ``rank``'s ``RankSync``; ``gather`` hands every rank every
+    rank's object (a checker's exchange, a meeting like the others). A meeting waits for
+    every rank; ranks that reach meetings of different names, or a rank that never comes
+    within ``timeout_s``, raise ``CollectiveMismatch`` naming the meeting, in every
+    rank."""
 
     def __init__(self, world: int, timeout_s: float = 10.0) -> None:
         if world < 1:
@@ -101,7 +103,7 @@ class LocalRanks:
         self.world = world
         self.timeout_s = timeout_s
         self._barrier = threading.Barrier(world)
-        self._slots: list[tuple[str, tuple[int, ...]] | None] = [None] * world
+        self._slots: list[tuple[str, object] | None] = [None] * world
 
     def sync(self, rank: int) -> _RankOf:
         return _RankOf(self, rank)
@@ -110,20 +112,26 @@ class LocalRanks:
         """Release every rank waiting at a collective (a rank has failed)."""
         self._barrier.abort()
 
-    def _meet(self, rank: int, what: str, values: tuple[int, ...]) -> tuple[int, ...]:
-        self._slots[rank] = (what, values)
+    def gather(self, rank: int, item: object, what: str = "gather") -> list[object]:
+        """Every rank's ``item``, in rank order."""
+        return self._meet(rank, what, item)
+
+    def _meet(self, rank: int, what: str, item: object) -> list[object]:
+        self._slots[rank] = (what, item)
         self._wait(what)
         arrived = list(self._slots)
         self._wait(what)  # every rank has read the slots before any overwrites its own
-        names = {entry[0] for entry in arrived if entry is not None}
-        if len(names) != 1:
+        names = [entry[0] if entry is not None else None for entry in arrived]
+        if len(set(names)) != 1:
             raise CollectiveMismatch(f"rank {rank} issued {what!r}; the ranks issued "
-                                     f"{[entry and entry[0] for entry in arrived]}")
-        lengths = {len(entry[1]) for entry in arrived if entry is not None}
-        if len(lengths) != 1:
-            raise CollectiveMismatch(f"{what!r}: ranks proposed {sorted(lengths)} values")
-        return tuple(min(column) for column in zip(*(e[1] for e in arrived if e is not None),
-                                                   strict=True))
+                                     f"{names}")
+        return [entry[1] for entry in arrived if entry is not None]
+
+    def _min_all(self, rank: int, what: str, values: tuple[int, ...]) -> tuple[int, ...]:
+        proposals = [p for p in self._meet(rank, what, values) if isinstance(p, tuple)]
+        if len({len(p) for p in proposals}) != 1:
+            raise CollectiveMismatch(f"{what!r}: ranks proposed different numbers of values")
+        return tuple(min(column) for column in zip(*proposals, strict=True))
 
     def _wait(self, what: str) -> None:
         try:
@@ -139,10 +147,10 @@ class _RankOf:
         self.rank = rank
 
     def min(self, value: int, what: str = "") -> int:
-        return self.group._meet(self.rank, what, (value,))[0]
+        return self.group._min_all(self.rank, what, (value,))[0]
 
     def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
-        return self.group._meet(self.rank, what, tuple(values))
+        return self.group._min_all(self.rank, what, tuple(values))
 
 
 class TorchDistributedSync:

@@ -33,6 +33,8 @@ from hiradix.cache import HiRadixCache, MatchResult, PendingCopy
 from hiradix.conformance.abstraction import page_keys
 from hiradix.distributed import Ledger, LocalRanks, RankSync
 from hiradix.keys import RadixKey
+from hiradix.policies import WritePolicy
+from hiradix.storage.config import PrefetchPolicy
 from hiradix.storage.memory import MemoryBackend
 from hiradix.storage.tier import TierSettings
 from hiradix.transfer import ControlledCopyEngine
@@ -50,7 +52,7 @@ from hiradix_model.ranks import (
 
 PAGE = 2
 DEVICE_SLOTS = 48
-HOST_SLOTS = 96
+HOST_SLOTS = 64
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,15 @@ class Skew:
     fuller_pool: int | None = None
     slow_copies: int | None = None
     storage_misses: int | None = None
+    slow_io: int | None = None  # this rank's storage I/O runs on half the steps
     held: int = 12
+    # The run's policies, the same on every rank (not skews).
+    prefetch_policy: PrefetchPolicy = "best_effort"
+    write_policy: WritePolicy = "write_through"
 
     def kinds(self) -> int:
         return sum(r is not None for r in (self.fuller_pool, self.slow_copies,
-                                           self.storage_misses))
+                                           self.storage_misses, self.slow_io))
 
 
 @dataclass
@@ -150,8 +156,8 @@ class RankWorkload:
     """One rank's cache and scheduler. Every rank draws its operations from the same
     seed, so the ranks differ only where ``skew`` (and nothing else) makes them."""
 
-    OPS = ("request", "request", "progress", "copies", "copies", "storage_io", "evict",
-           "evict_host", "lock")
+    OPS = ("request", "request", "progress", "progress", "copies", "copies", "storage_io",
+           "storage_io", "evict", "evict_host", "lock")
 
     def __init__(self, rank: int, sync: RankSync, skew: Skew, seed: int) -> None:
         self.rank = rank
@@ -162,13 +168,14 @@ class RankWorkload:
         self.cache = HiRadixCache.create(device_slots=DEVICE_SLOTS, page_size=PAGE,
                                          host_ratio=host_slots / DEVICE_SLOTS,
                                          load_back_threshold=PAGE, transfer="controlled",
-                                         sync=self.ledger)
+                                         write_policy=skew.write_policy, sync=self.ledger)
         self.backend = LossyBackend(f"rank{rank}")
         # The rate limit is given: its default derives from the pool sizes (9.1), which
         # would let the fuller rank skip a collective the others issue.
         self.cache.attach_storage_backend(
             self.backend, "ranks-test",
-            TierSettings(prefetch_threshold=PAGE, prefetch_token_limit=HOST_SLOTS // 2),
+            TierSettings(prefetch_threshold=PAGE, prefetch_policy=skew.prefetch_policy,
+                         prefetch_token_limit=HOST_SLOTS // 2),
             threaded=False)
         if fuller:
             assert self.cache.device_pool.alloc(skew.held) is not None
@@ -176,6 +183,7 @@ class RankWorkload:
         self.local = random.Random(seed * 1000 + rank)  # this rank's own timing
         self.waiting: list[tuple[str, RadixKey]] = []  # requests whose prefetch runs
         self.locked: list[TreeNode] = []
+        self.history: list[tuple[int, ...]] = []
         self.requests = 0
         self.ops: dict[str, int] = {}
 
@@ -188,9 +196,15 @@ class RankWorkload:
     # -- operations ---------------------------------------------------------------------
 
     def _request(self) -> None:
-        pages = self.shared.randint(1, 5)
-        # A small alphabet and a shared first token: prefixes repeat and branch.
-        tokens = tuple([1] + [self.shared.randint(2, 4) for _ in range(pages * PAGE - 1)])
+        # A small alphabet and a shared first token: prefixes repeat and branch; half the
+        # requests come back to an earlier one (a conversation's next turn).
+        if self.history and self.shared.random() < 0.5:
+            base = self.history[self.shared.randrange(len(self.history))]
+            extra = self.shared.randint(0, 2) * PAGE
+        else:
+            base, extra = (1,), self.shared.randint(1, 5) * PAGE - 1
+        tokens = base + tuple(self.shared.randint(2, 4) for _ in range(extra))
+        self.history = ([*self.history, tokens])[-16:]
         key = RadixKey(tokens)
         self.requests += 1
         request = f"r{self.requests}"
@@ -223,19 +237,25 @@ class RankWorkload:
         need = len(key.tokens) - cached
         if need == 0:
             return
-        slots = self.cache.alloc(need)
-        if slots is None:
-            self.cache.evict(need)
+        anchor = match.last_device_node
+        self.cache.inc_lock_ref(anchor)  # the matched prefix must survive the eviction
+        try:
             slots = self.cache.alloc(need)
-        if slots is None:
-            return  # no room on some rank: every rank skips it
-        prefix = self.cache.insert(key, torch.cat([match.device_slots, slots]))
-        if prefix > cached:  # duplicates: the caller's slots for tokens already cached
-            self.cache.free(slots[:prefix - cached])
+            if slots is None:
+                self.cache.evict(need)
+                slots = self.cache.alloc(need)
+            if slots is None:
+                return  # no room on some rank: every rank skips it
+            prefix = self.cache.insert(key, torch.cat([match.device_slots, slots]))
+            if prefix > cached:  # duplicates: the caller's slots for tokens already cached
+                self.cache.free(slots[:prefix - cached])
+        finally:
+            self.cache.dec_lock_ref(anchor)
 
     def _progress(self) -> None:
         tier = self.cache.storage
         assert tier is not None
+        self._run_io()  # the I/O ran meanwhile (on a slow rank, maybe not)
         still = []
         for request, key in self.waiting:
             if tier.check_prefetch_progress(request):
@@ -256,13 +276,19 @@ class RankWorkload:
         self.cache.writing_check()
         self.cache.loading_check()
 
-    def _storage_io(self) -> None:
+    def _run_io(self) -> None:
         tier = self.cache.storage
         assert tier is not None and tier.io is not None
-        tier.io.run_pending()
         if self.skew.storage_misses == self.rank:
             # This rank's store lost pages (another node's disk, an eviction there).
-            self.backend.lose(self.local, self.local.randint(0, 3))
+            self.backend.lose(self.local, self.local.randint(0, 2))
+        if self.skew.slow_io != self.rank or self.local.random() < 0.5:
+            tier.io.run_pending()
+
+    def _storage_io(self) -> None:
+        tier = self.cache.storage
+        assert tier is not None
+        self._run_io()
         tier.drain_storage_queues()
 
     def _evict(self) -> None:
@@ -342,25 +368,28 @@ def run_local(world: int, skew: Skew, seed: int, steps: int, *,
               sync_of: Callable[[int, RankSync], RankSync] | None = None,
               checked: frozenset[str] | None = None,
               timeout_s: float = 20.0) -> list[RankReport]:
-    """The ranks as threads of this process, in lockstep through ``LocalRanks``.
-    ``sync_of(rank, sync)``: the sync rank ``rank``'s cache gets instead (a test breaks
-    consensus with it)."""
+    """The ranks as threads of this process, in lockstep through ``LocalRanks`` (whose
+    meetings also carry the checker's exchange, so a rank that skips a collective meets
+    another rank's exchange and both fail at once, naming both). ``sync_of(rank,
+    sync)``: the sync rank ``rank``'s cache gets instead (a test breaks consensus)."""
     group = LocalRanks(world, timeout_s)
-    exchange = _Exchange(world, timeout_s)
     reports: list[RankReport | None] = [None] * world
 
     def body(rank: int) -> None:
         sync: RankSync = group.sync(rank)
         if sync_of is not None:
             sync = sync_of(rank, sync)
-        report = run_rank(rank, sync, lambda r: exchange.gather(rank, r), skew, seed, steps,
-                          checked)
+
+        def gather(mine: RankRecord) -> list[RankRecord]:
+            got = group.gather(rank, mine, "exchange of rank records")
+            return [g for g in got if isinstance(g, RankRecord)]
+
+        report = run_rank(rank, sync, gather, skew, seed, steps, checked)
         reports[rank] = report
         # A rank invariant fails on every rank at once (they check the same records);
         # any other failure is this rank's: the others must not wait for it.
         if report.failure and not report.failure.startswith(RankFailure.__name__):
             group.abort()
-            exchange.barrier.abort()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
     for thread in threads:
@@ -369,25 +398,6 @@ def run_local(world: int, skew: Skew, seed: int, steps: int, *,
         thread.join(timeout_s * (steps + 1))
     return [r if r is not None else RankReport(i, failure="no report (hung)")
             for i, r in enumerate(reports)]
-
-
-class _Exchange:
-    """all_gather of one object per rank, among threads."""
-
-    def __init__(self, world: int, timeout_s: float) -> None:
-        self.barrier = threading.Barrier(world)
-        self.timeout_s = timeout_s
-        self.slots: list[RankRecord | None] = [None] * world
-
-    def gather(self, rank: int, item: RankRecord) -> list[RankRecord]:
-        self.slots[rank] = item
-        try:
-            self.barrier.wait(self.timeout_s)
-            got = [s for s in self.slots if s is not None]
-            self.barrier.wait(self.timeout_s)
-        except threading.BrokenBarrierError:
-            raise RankFailure("stopped: another rank failed (or hung) first") from None
-        return got
 
 
 # ------------------------------------------------------------------ across processes

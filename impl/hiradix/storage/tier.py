@@ -837,7 +837,7 @@ class StorageTier:
         revokes = len(state.revoke_queue)
         self._revoke_agreed()  # DEV-S2: an id whose prefetch ended does nothing
         state.revoke_queue.clear()
-        acked = [w for w in state.writes.values() if w.phase == "acked"]
+        acked = self._acked_agreed()
         for write in acked:
             self._release_write(write)
         busy = {slot for slots in state.io_held.values() for slot in slots}
@@ -848,6 +848,18 @@ class StorageTier:
         return revokes, len(acked), len(freed)
 
     # ------------------------------------------------------------------ checks
+
+    def _acked_agreed(self) -> list[TierWrite]:
+        """The writes whose acknowledgement every rank has (12.3): a write acked here
+        but still running on another rank keeps its protection until a later drain, as
+        SGLang takes the ranks' minimum of its queue lengths. One collective over the
+        writes, which the ranks agree on; none when there are none."""
+        writes = sorted(self.state.writes.values(), key=lambda w: w.id)
+        if not writes:
+            return []
+        acked = self.cache.sync.min_all([int(w.phase == "acked") for w in writes],
+                                        "write acked")
+        return [write for write, done in zip(writes, acked, strict=True) if done]
 
     def _revoke_agreed(self) -> None:
         """End the prefetches revoked on any rank, on every rank (12.3: a storage miss on

@@ -15,6 +15,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,35 @@ from hiradix.distributed import (
     LocalSync,
     RankSync,
 )
+from hiradix.policies import WritePolicy
+from hiradix.storage.config import PrefetchPolicy
 
 from stats import SUMMARY
 
-SKEW_2 = Skew(fuller_pool=1, slow_copies=0, storage_misses=1)
-SKEW_4 = Skew(fuller_pool=3, slow_copies=1, storage_misses=2)
+SKEW_2 = Skew(fuller_pool=1, slow_copies=0, storage_misses=1, slow_io=0)
+SKEW_4 = Skew(fuller_pool=3, slow_copies=1, storage_misses=2, slow_io=0,
+              prefetch_policy="wait_complete", write_policy="write_back")
 AGREE = frozenset({"INV-RANKS-AGREE"})
+
+# Each decision of 12.3, with consensus removed for it alone, and a run (write policy,
+# prefetch policy, seed) where that breaks agreement: every consensus is needed.
+ABLATIONS = [
+    ("alloc", "write_through", "best_effort", 0),
+    ("load room", "write_through", "best_effort", 1),
+    ("load alloc", "write_through", "best_effort", 0),
+    ("host room", "write_through", "best_effort", 0),
+    ("backup alloc", "write_through", "best_effort", 11),
+    ("write-back alloc", "write_back", "best_effort", 13),
+    ("ack d2h", "write_through", "best_effort", 0),
+    ("ack h2d", "write_through", "best_effort", 0),
+    ("storage hit", "write_through", "best_effort", 0),
+    ("prefetch room", "write_through", "best_effort", 3),
+    ("prefetch may end", "write_through", "wait_complete", 0),
+    ("prefetch landed", "write_through", "best_effort", 0),
+    ("prefetch kept", "write_through", "best_effort", 3),
+    ("stored", "write_through", "best_effort", 0),
+    ("write acked", "write_through", "best_effort", 0),
+]
 
 
 def _summarise(label: str, reports: Sequence[RankReport], skew: Skew) -> None:
@@ -68,12 +92,43 @@ def test_local_ranks_agree_after_every_step(world: int, skew: Skew) -> None:
     _summarise(f"local {world}", reports, skew)
 
 
+class WithoutConsensusOn:
+    """``inner``, except that decision ``name`` is taken by each rank alone."""
+
+    def __init__(self, inner: RankSync, name: str) -> None:
+        self.inner = inner
+        self.name = name
+
+    def min(self, value: int, what: str = "") -> int:
+        return value if what == self.name else self.inner.min(value, what)
+
+    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
+        return tuple(values) if what == self.name else self.inner.min_all(values, what)
+
+
+@pytest.mark.parametrize(("decision", "write_policy", "prefetch_policy", "seed"), ABLATIONS,
+                         ids=[a[0].replace(" ", "-") for a in ABLATIONS])
+def test_each_consensus_is_needed(decision: str, write_policy: WritePolicy,
+                                  prefetch_policy: PrefetchPolicy, seed: int) -> None:
+    """Without consensus on ``decision`` alone, the ranks' trees part (INV-RANKS-AGREE)
+    or their collectives do (a rank meets another's different collective)."""
+    skew = replace(SKEW_2, write_policy=write_policy, prefetch_policy=prefetch_policy)
+    healthy = run_local(2, skew, seed, 200, timeout_s=3.0)
+    assert [r.failure for r in healthy] == [None, None], healthy
+    broken = run_local(2, skew, seed, 200, checked=AGREE, timeout_s=3.0,
+                       sync_of=lambda rank, sync: WithoutConsensusOn(sync, decision))
+    failures = [r.failure for r in broken if r.failure]
+    assert failures, f"removing consensus on {decision!r} went unnoticed"
+    assert "INV-RANKS-AGREE" in failures[0] or "CollectiveMismatch" in failures[0], failures
+
+
 def test_local_ranks_without_consensus_diverge() -> None:
     """The check can fail: each rank deciding alone, and only the views compared."""
     reports = run_local(2, SKEW_2, seed=7, steps=200,
                         sync_of=lambda rank, sync: LocalOnly(), checked=AGREE)
     failures = [r.failure for r in reports if r.failure]
     assert failures and "INV-RANKS-AGREE" in failures[0], reports
+    SUMMARY.append(f"ranks without consensus: {failures[0][:120]}")
 
 
 class SkipWhenIdle:
@@ -93,7 +148,7 @@ class SkipWhenIdle:
 
 
 def test_local_rank_skipping_an_idle_collective_is_named() -> None:
-    reports = run_local(2, SKEW_2, seed=7, steps=200, timeout_s=5.0,
+    reports = run_local(2, SKEW_2, seed=7, steps=200, timeout_s=3.0,
                         sync_of=lambda rank, sync: SkipWhenIdle(sync) if rank else sync)
     failures = " | ".join(r.failure or "" for r in reports)
     assert "CollectiveMismatch" in failures and "'ack " in failures, failures
@@ -103,8 +158,10 @@ def test_local_rank_skipping_an_idle_collective_is_named() -> None:
 @given(seed=st.integers(0, 10_000), world=st.sampled_from([2, 3, 4]),
        roles=st.permutations(range(4)))
 def test_local_ranks_agree_under_any_skew(seed: int, world: int, roles: list[int]) -> None:
-    fuller, slow, misses = (r % world for r in roles[:3])
-    skew = Skew(fuller_pool=fuller, slow_copies=slow, storage_misses=misses)
+    fuller, slow, misses, io = (r % world for r in roles)
+    skew = Skew(fuller_pool=fuller, slow_copies=slow, storage_misses=misses, slow_io=io,
+                prefetch_policy="wait_complete" if seed % 2 else "best_effort",
+                write_policy="write_back" if seed % 3 == 0 else "write_through")
     reports = run_local(world, skew, seed=seed, steps=60)
     assert [r.failure for r in reports] == [None] * world, reports
 
