@@ -24,7 +24,15 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from hiradix.conformance.ranks import LocalOnly, RankReport, Skew, run_local, run_rank_process
+from hiradix.conformance.abstraction import abstract
+from hiradix.conformance.ranks import (
+    RankReport,
+    RankWorkload,
+    Skew,
+    rank_view,
+    run_local,
+    run_rank_process,
+)
 from hiradix.distributed import (
     CollectiveMismatch,
     Ledger,
@@ -34,6 +42,8 @@ from hiradix.distributed import (
 )
 from hiradix.policies import WritePolicy
 from hiradix.storage.config import PrefetchPolicy
+from hiradix_model import Config, initial
+from hiradix_model.ranks import view
 
 from stats import SUMMARY
 
@@ -85,6 +95,23 @@ def first_nonzero(reports: Sequence[RankReport]) -> bool:
 # ------------------------------------------------------------------ one process
 
 
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_the_rank_view_is_the_models_view_of_the_abstract_state(
+        write_policy: WritePolicy) -> None:
+    """``rank_view`` (read off the tree) equals the model's ``view`` of the refinement
+    mapping's abstract state (spec/06), after every step of a single rank's run."""
+    workload = RankWorkload(0, LocalSync(), Skew(write_policy=write_policy), seed=5)
+    cache = workload.cache
+    config = Config(page_size=cache.page_size, device_slots=cache.device_pool.num_slots,
+                    host_slots=cache.host_pool.num_slots, write_policy=write_policy,
+                    load_back_threshold=cache.config.load_back_threshold)
+    for _ in range(120):
+        workload.step()
+        mine, models = rank_view(cache), view(abstract(cache, initial(config)))
+        assert (mine.pages, mine.pending, mine.clock) == \
+            (models.pages, models.pending, models.clock)
+
+
 @pytest.mark.parametrize(("world", "skew"), [(2, SKEW_2), (4, SKEW_4)])
 def test_local_ranks_agree_after_every_step(world: int, skew: Skew) -> None:
     reports = run_local(world, skew, seed=7, steps=200)
@@ -125,7 +152,7 @@ def test_each_consensus_is_needed(decision: str, write_policy: WritePolicy,
 def test_local_ranks_without_consensus_diverge() -> None:
     """The check can fail: each rank deciding alone, and only the views compared."""
     reports = run_local(2, SKEW_2, seed=7, steps=200,
-                        sync_of=lambda rank, sync: LocalOnly(), checked=AGREE)
+                        sync_of=lambda rank, sync: LocalSync(), checked=AGREE)
     failures = [r.failure for r in reports if r.failure]
     assert failures and "INV-RANKS-AGREE" in failures[0], reports
     SUMMARY.append(f"ranks without consensus: {failures[0][:120]}")

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from rank_mutants import RANK_MUTANTS, healthy
 
-from hiradix_model import Page
+from hiradix_model import Key, Page
 from hiradix_model.ranks import RANK_INVARIANTS, check_ranks, rank_violations, view
 
 import scenario
@@ -38,6 +38,6 @@ def test_the_view_ignores_slot_numbers_but_not_presence() -> None:
                for key, page in state.pages.items()}
     assert view(replace(state, pages=shifted)) == view(state)
     key = next(k for k, p in state.pages.items() if p.host is not None and p.device is not None)
-    dropped: dict[object, Page] = dict(state.pages)
+    dropped: dict[Key, Page] = dict(state.pages)
     dropped[key] = replace(state.pages[key], host=None)
-    assert view(replace(state, pages=dropped)) != view(state)  # type: ignore[arg-type]
+    assert view(replace(state, pages=dropped)) != view(state)

@@ -31,7 +31,7 @@ import torch
 
 from hiradix.cache import HiRadixCache, MatchResult, PendingCopy
 from hiradix.conformance.abstraction import page_keys
-from hiradix.distributed import Ledger, LocalRanks, RankSync
+from hiradix.distributed import Ledger, LocalRanks, LocalSync, RankSync
 from hiradix.keys import RadixKey
 from hiradix.policies import WritePolicy
 from hiradix.storage.config import PrefetchPolicy
@@ -188,10 +188,17 @@ class RankWorkload:
         self.ops: dict[str, int] = {}
 
     def step(self) -> str:
+        """One operation, drawn from the shared seed; returns its name."""
         op = self.shared.choice(self.OPS)
+        self.apply(op)
+        return op
+
+    def apply(self, op: str) -> None:
+        """Operation ``op`` (one of ``OPS``); its arguments come from the shared seed."""
+        if op not in self.OPS:
+            raise ValueError(f"unknown operation {op!r}; one of {sorted(set(self.OPS))}")
         self.ops[op] = self.ops.get(op, 0) + 1
         getattr(self, "_" + op)()
-        return op
 
     # -- operations ---------------------------------------------------------------------
 
@@ -353,17 +360,6 @@ def run_rank(rank: int, sync: RankSync, gather: Gather, skew: Skew, seed: int,
     return report
 
 
-class LocalOnly:
-    """A rank that decides alone: records each decision as a collective, agrees with
-    nobody. What the cache would be without consensus (the run must fail)."""
-
-    def min(self, value: int, what: str = "") -> int:
-        return value
-
-    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
-        return tuple(values)
-
-
 def run_local(world: int, skew: Skew, seed: int, steps: int, *,
               sync_of: Callable[[int, RankSync], RankSync] | None = None,
               checked: frozenset[str] | None = None,
@@ -429,7 +425,8 @@ def run_rank_process(rank: int, world: int, port: int, skew: Skew, seed: int, st
                      for t in range(tp)]
         inner = TorchDistributedSync(tp_groups[stage], pp_group=pp_groups[tp_rank],
                                      pp_rank=stage, pp_size=pp_size)
-        sync: RankSync = _Named(inner) if consensus else LocalOnly()
+        # Without consensus each rank decides alone (LocalSync): the run must fail.
+        sync: RankSync = _Named(inner) if consensus else LocalSync()
         if hang_at is not None:
             sync = _HangAt(sync, hang_at, timeout_s + 2)
 
