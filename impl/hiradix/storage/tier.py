@@ -17,6 +17,11 @@ transcribes spec/09 onto the radix tree:
   host-protected until the write's acknowledgement is drained (INV-STORAGE-WRITE-PROTECT);
 - ``drain_storage_queues``: the I/O's results, then the revoke, ack and release queues.
 
+Many ranks (spec/12): every decision that rests on a rank's own pools, I/O or store (the
+hit length, the reservation's room, whether a prefetch may end and what landed, which
+prefetches are revoked, which pages are stored, which writes are acknowledged) goes
+through the cache's ``RankSync``, so every rank's tier and tree stay alike.
+
 Slots the I/O is still writing into are never freed: a prefetch ended while its I/O
 runs hands the slots past its landed pages to the I/O, and they reach the release queue
 with the I/O's result (DEV-S12, DEV-S13). Protections are kept per page: a page run is
@@ -847,8 +852,6 @@ class StorageTier:
         state.release_queue = [slot for slot in state.release_queue if slot in busy]
         return revokes, len(acked), len(freed)
 
-    # ------------------------------------------------------------------ checks
-
     def _acked_agreed(self) -> list[TierWrite]:
         """The writes whose acknowledgement every rank has (12.3): a write acked here
         but still running on another rank keeps its protection until a later drain, as
@@ -879,6 +882,8 @@ class StorageTier:
                     self._require().io.terminate(prefetch.id)
                 self._give_up(prefetch, 0, "io" if prefetch.io_running else "queue")
             self._end(prefetch)
+
+    # ------------------------------------------------------------------ checks
 
     @_serialised
     def host_slots_owned(self) -> list[int]:
