@@ -183,20 +183,32 @@ class TorchDistributedSync:
         return self.min_all((value,), what)[0]
 
     def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
-        """``checked``: the name's CRC and its negation travel with the values, so ranks
-        that reach different collectives at the same point (one skipped one) all raise
+        """``checked``: a fixed-size header goes first (see ``check``), so ranks that
+        reach different collectives at the same point (one skipped one) all raise
         ``CollectiveMismatch`` naming theirs, where unchecked they would pair the wrong
-        values silently."""
+        values silently, or hang on payloads of different sizes."""
         if not values:
             return ()
-        stamp = zlib.crc32(what.encode()) if self.checked else 0
-        tensor = torch.tensor([*values, stamp, -stamp], dtype=torch.int64)
+        if self.checked:
+            self.check(what, len(values))
+        tensor = torch.tensor(list(values), dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         self._relay(tensor)
-        if int(tensor[-2]) != -int(tensor[-1]):
+        return tuple(int(v) for v in tensor.tolist())
+
+    def check(self, what: str, size: int = 0) -> None:
+        """Every rank is at a collective named ``what`` of ``size`` values, or every
+        rank raises ``CollectiveMismatch``: the MIN of (size, -size, CRC, -CRC) shows
+        the smallest and largest of each over the ranks. A caller's own exchange (an
+        ``all_gather_object``) calls it first, so it cannot pair with a collective."""
+        stamp = zlib.crc32(what.encode())
+        header = torch.tensor([size, -size, stamp, -stamp], dtype=torch.int64)
+        dist.all_reduce(header, op=dist.ReduceOp.MIN, group=self.group)
+        self._relay(header)
+        low_size, high_size, low_stamp, high_stamp = (int(v) for v in header.tolist())
+        if low_size != -high_size or low_stamp != -high_stamp:
             raise CollectiveMismatch(f"collective {what!r}: the ranks issued different "
                                      "collectives here (one skipped or added one)")
-        return tuple(int(v) for v in tensor[:-2].tolist())
 
     def _relay(self, tensor: torch.Tensor) -> None:
         if self.pp_size <= 1:

@@ -29,6 +29,7 @@ from hiradix.conformance.ranks import (
     RankReport,
     RankWorkload,
     Skew,
+    SkipIdleAcks,
     rank_view,
     run_local,
     run_rank_process,
@@ -158,25 +159,9 @@ def test_local_ranks_without_consensus_diverge() -> None:
     SUMMARY.append(f"ranks without consensus: {failures[0][:120]}")
 
 
-class SkipWhenIdle:
-    """SGLang's old bug: a rank with nothing finished skips the acknowledgement's
-    all-reduce."""
-
-    def __init__(self, inner: RankSync) -> None:
-        self.inner = inner
-
-    def min(self, value: int, what: str = "") -> int:
-        if what.startswith("ack") and value == 0:
-            return 0
-        return self.inner.min(value, what)
-
-    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
-        return self.inner.min_all(values, what)
-
-
 def test_local_rank_skipping_an_idle_collective_is_named() -> None:
     reports = run_local(2, SKEW_2, seed=7, steps=200, timeout_s=3.0,
-                        sync_of=lambda rank, sync: SkipWhenIdle(sync) if rank else sync)
+                        sync_of=lambda rank, sync: SkipIdleAcks(sync) if rank else sync)
     failures = " | ".join(r.failure or "" for r in reports)
     assert "CollectiveMismatch" in failures and "'ack " in failures, failures
 
@@ -218,7 +203,8 @@ def _free_port() -> int:
 
 def _run_processes(world: int, skew: Skew, steps: int, *, pp_size: int = 1,
                    consensus: bool = True, checked: frozenset[str] | None = None,
-                   hang_at: dict[int, int] | None = None, gloo_timeout_s: float = 10.0,
+                   hang_at: dict[int, int] | None = None, skip_idle_acks: int | None = None,
+                   gloo_timeout_s: float = 10.0,
                    join_s: float = 40.0) -> list[RankReport]:
     """Start ``world`` ranks; a rank that has not ended ``join_s`` after the start is
     killed by its pid and reported as hung. The ranks fork from a forkserver that has
@@ -230,7 +216,8 @@ def _run_processes(world: int, skew: Skew, steps: int, *, pp_size: int = 1,
         processes = [context.Process(
             target=run_rank_process,
             args=(rank, world, port, skew, 11, steps, out, pp_size, consensus, checked,
-                  (hang_at or {}).get(rank), gloo_timeout_s), daemon=True)
+                  (hang_at or {}).get(rank), rank == skip_idle_acks, gloo_timeout_s),
+            daemon=True)
             for rank in range(world)]
         for process in processes:
             process.start()
@@ -276,3 +263,15 @@ def test_gloo_rank_that_hangs_fails_naming_the_collective() -> None:
     assert f"CollectiveTimeout: collective {hung.group(1)} failed" in failure, failure
     assert "Timed out" in failure, failure  # gloo's timeout, before rank 1 woke up
     SUMMARY.append(f"ranks gloo deadlock caught: {failure.splitlines()[0][:160]}")
+
+
+def test_gloo_rank_skipping_an_idle_collective_fails_naming_it() -> None:
+    """Rank 1 skips the acknowledgement's all-reduce when it has nothing finished; the
+    name check that travels with every collective makes both ranks fail at once, each
+    naming its own collective, instead of pairing the wrong values."""
+    reports = _run_processes(2, SKEW_2, 60, skip_idle_acks=1, gloo_timeout_s=3.0)
+    failures = [r.failure or "" for r in reports]
+    assert all("CollectiveMismatch: collective '" in f for f in failures), failures
+    assert any("'ack " in f for f in failures), failures
+    SUMMARY.append("ranks gloo skipped collective caught: "
+                   + " / ".join(f.splitlines()[0][:90] for f in failures))

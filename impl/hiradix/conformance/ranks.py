@@ -31,7 +31,7 @@ import torch
 
 from hiradix.cache import HiRadixCache, MatchResult, PendingCopy
 from hiradix.conformance.abstraction import page_keys
-from hiradix.distributed import Ledger, LocalRanks, LocalSync, RankSync
+from hiradix.distributed import CollectiveMismatch, Ledger, LocalRanks, LocalSync, RankSync
 from hiradix.keys import RadixKey
 from hiradix.policies import WritePolicy
 from hiradix.storage.config import PrefetchPolicy
@@ -402,12 +402,14 @@ def run_local(world: int, skew: Skew, seed: int, steps: int, *,
 def run_rank_process(rank: int, world: int, port: int, skew: Skew, seed: int, steps: int,
                      out: str, pp_size: int = 1, consensus: bool = True,
                      checked: frozenset[str] | None = None, hang_at: int | None = None,
-                     timeout_s: float = 10.0) -> None:
+                     skip_idle_acks: bool = False, timeout_s: float = 10.0) -> None:
     """One process of a gloo run on 127.0.0.1:``port``; writes its ``RankReport`` as
     JSON to ``out``/rank<r>.json. ``pp_size`` > 1 splits the world into stages of
     ``world // pp_size`` tensor-parallel ranks (stage-major). ``stop_after``: this rank
     hang_at``: this rank goes silent at its ``hang_at``-th collective (a rank that hangs),
-    to prove that the collective the others wait in times out as a failure naming it."""
+    to prove that the collective the others wait in times out as a failure naming it.
+    ``skip_idle_acks``: this rank skips an acknowledgement's collective when it has
+    nothing finished (SGLang's old bug), to prove the ranks fail naming it."""
     import torch.distributed as dist
 
     from hiradix.distributed import TorchDistributedSync
@@ -429,11 +431,16 @@ def run_rank_process(rank: int, world: int, port: int, skew: Skew, seed: int, st
         sync: RankSync = _Named(inner) if consensus else LocalSync()
         if hang_at is not None:
             sync = _HangAt(sync, hang_at, timeout_s + 2)
+        if skip_idle_acks:
+            sync = SkipIdleAcks(sync)
 
         def gather(mine: RankRecord) -> list[RankRecord]:
             got: list[RankRecord | None] = [None] * world
             try:
+                inner.check("exchange of rank records")  # pairs with no collective
                 dist.all_gather_object(got, mine)
+            except CollectiveMismatch:
+                raise
             except RuntimeError as error:
                 raise CollectiveTimeout(f"the checker's exchange of rank records failed "
                                         f"(a rank hung up): {str(error).splitlines()[0]}"
@@ -461,9 +468,27 @@ class _Named:
     def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
         try:
             return self.inner.min_all(values, what)
+        except CollectiveMismatch:
+            raise  # it names the collective already
         except RuntimeError as error:
             raise CollectiveTimeout(f"collective {what!r} failed (a rank skipped it or "
                                     f"hung): {str(error).splitlines()[0]}") from error
+
+
+class SkipIdleAcks:
+    """SGLang's old bug: a rank with nothing finished skips the acknowledgement's
+    collective (its ``writing_check`` returned early on an empty queue)."""
+
+    def __init__(self, inner: RankSync) -> None:
+        self.inner = inner
+
+    def min(self, value: int, what: str = "") -> int:
+        if what.startswith("ack") and value == 0:
+            return 0
+        return self.inner.min(value, what)
+
+    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
+        return self.inner.min_all(values, what)
 
 
 class _HangAt:
