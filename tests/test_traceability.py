@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from rank_mutants import RANK_MUTANTS
+
 from hiradix_model import INVARIANTS
+from hiradix_model.ranks import RANK_INVARIANTS
 
 from mutants import MUTANTS
 
@@ -15,8 +18,13 @@ HEADING = re.compile(r"^### (INV-[A-Z0-9-]+)$", re.MULTILINE)
 MENTION = re.compile(r"INV-[A-Z0-9]+(?:-[A-Z0-9]+)*")
 
 
+# The single-rank invariants (predicates over a State) and the rank invariants of
+# spec/12 (predicates over every rank's record).
+PAGES = ("05-invariants.md", "12-ranks.md")
+
+
 def defined_ids() -> set[str]:
-    return set(HEADING.findall((SPEC / "05-invariants.md").read_text()))
+    return {i for page in PAGES for i in HEADING.findall((SPEC / page).read_text())}
 
 
 def test_spec_defines_at_least_twelve_invariants() -> None:
@@ -24,11 +32,12 @@ def test_spec_defines_at_least_twelve_invariants() -> None:
 
 
 def test_every_spec_id_has_a_predicate_and_every_predicate_is_in_the_spec() -> None:
-    assert defined_ids() == set(INVARIANTS)
+    assert defined_ids() == set(INVARIANTS) | set(RANK_INVARIANTS)
+    assert not set(INVARIANTS) & set(RANK_INVARIANTS)
 
 
 def test_every_spec_id_has_a_test_that_can_fail_on_it() -> None:
-    assert defined_ids() == set(MUTANTS)
+    assert defined_ids() == set(MUTANTS) | set(RANK_MUTANTS)
 
 
 def test_spec_mentions_only_defined_ids() -> None:

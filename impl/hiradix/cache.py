@@ -546,7 +546,7 @@ class HiRadixCache:
         """Back up ``run`` (a chain, root-most first) all or nothing, in one copy."""
         need = sum(len(n.tokens) for n in run)
         victims = self._make_host_room(need)
-        host = self.host_pool.alloc(need)
+        host = self._agreed_alloc(self.host_pool, need, "backup alloc")
         if host is None:
             self._record_backup(victims, None)
             return False
@@ -608,8 +608,9 @@ class HiRadixCache:
         return self._acknowledge("h2d")
 
     def _acknowledge(self, direction: Direction) -> int:
-        # Every rank acknowledges the same number of copies (the minimum finished).
-        count = self.sync.min(self.engine.finished(direction))
+        # Every rank acknowledges the same number of copies (the minimum finished), and
+        # asks even with nothing in flight: a skipped collective hangs the others (12.3).
+        count = self.sync.min(self.engine.finished(direction), f"ack {direction}")
         for ticket in self.engine.acknowledge(direction, count):
             copy = self.pending[direction].popleft()
             assert copy.ticket == ticket, (copy.ticket, ticket)
@@ -730,7 +731,7 @@ class HiRadixCache:
         device slots, and any of the subtree, go to ``freed``)."""
         page = self._page_refs(node)[0]
         host_victims = self._make_host_room(self.page_size)
-        host = self.host_pool.alloc(self.page_size)
+        host = self._agreed_alloc(self.host_pool, self.page_size, "write-back alloc")
         assert node.device is not None
         if host is None:
             victim = DeviceVictim(page, tuple(host_victims), None)
@@ -791,8 +792,19 @@ class HiRadixCache:
         return evicted
 
     def _make_host_room(self, need: int) -> list[PageRef]:
-        shortfall = need - self.host_pool.num_free_slots
+        # The room is agreed (spec/12, 12.3): every rank evicts the same pages.
+        shortfall = need - self.sync.min(self.host_pool.num_free_slots, "host room")
         return self._evict_host(shortfall)[1] if shortfall > 0 else []
+
+    def _agreed_alloc(self, pool: DeviceKVPool | HostKVPool, tokens: int,
+                      what: str) -> torch.Tensor | None:
+        """``tokens`` slots of ``pool`` on every rank or on none (spec/12, 12.3): a rank
+        whose pool is fuller must not leave the others with a copy it lacks."""
+        slots = pool.alloc(tokens)
+        if self.sync.min(int(slots is not None), what) or slots is None:
+            return slots
+        pool.release(slots)
+        return None
 
     def _evict_host(self, target: int) -> tuple[int, list[PageRef]]:
         order = self._host_order
@@ -845,11 +857,11 @@ class HiRadixCache:
             self._refresh(n)
         if anchor is not self.root:
             self._add_lock(anchor, +1)
-        shortfall = tokens - self.device_pool.num_free_slots
+        shortfall = tokens - self.sync.min(self.device_pool.num_free_slots, "load room")
         victims = self._evict(shortfall)[1] if shortfall > 0 else []
         if anchor is not self.root:
             self._add_lock(anchor, -1)
-        device = self.device_pool.alloc(tokens)
+        device = self._agreed_alloc(self.device_pool, tokens, "load alloc")
         if device is None:
             for n in chain:
                 n.host_ref -= 1
@@ -898,7 +910,7 @@ class HiRadixCache:
         """``num_tokens`` (a page multiple) free device slots for the caller, or None if
         too few are free (call ``evict`` and retry). SGLang's
         ``token_to_kv_pool_allocator.alloc``."""
-        return self.device_pool.alloc(num_tokens)
+        return self._agreed_alloc(self.device_pool, num_tokens, "alloc")
 
     def free(self, slots: torch.Tensor) -> None:
         """Give back device slots the caller holds (whole pages; the partial tail page and

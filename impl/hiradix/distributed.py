@@ -1,12 +1,29 @@
-"""Agreement across tensor-parallel ranks.
+"""Agreement across tensor- and pipeline-parallel ranks (spec/12-ranks.md).
 
-Every rank must acknowledge the same copies in the same step, or the ranks' trees drift
-apart (and, under NCCL, the collectives deadlock). The cache asks for the minimum
-finished count over ranks, every time, on every rank.
+Each rank runs its own cache over its own shard of the KV. Every decision a rank could
+take differently from another (an allocation's success, how many copies finished, how
+far a prefetch got, how many pages storage holds) is settled by a collective: every rank
+proposes its value and every rank proceeds with the minimum (12.3). Every rank must
+issue the same collectives in the same order, whatever its local queues hold, or the
+ranks wait on each other for ever (INV-RANKS-COLLECTIVES).
+
+- ``RankSync``: what the cache calls, ``min`` of one int or ``min_all`` of a tuple; the
+  ``what`` argument names the decision (it appears in the ledger and in timeouts).
+- ``LocalSync``: one rank, nothing to agree with.
+- ``Ledger``: wraps any sync and records every collective (the count, the order, the
+  values; the conformance layer hands them to the model as ``Collective``s) for
+  INV-RANKS-COLLECTIVES and INV-RANKS-CONSENSUS.
+- ``LocalRanks``: several ranks of one process (threads in lockstep), for fast tests.
+- ``TorchDistributedSync``: all_reduce(MIN) over a tensor-parallel group (gloo on CPU
+  tensors), then the pipeline relay (12.4) across the stages.
 """
 
 from __future__ import annotations
 
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -14,27 +31,195 @@ import torch.distributed as dist
 
 
 class RankSync(Protocol):
-    def min(self, value: int) -> int:
+    def min(self, value: int, what: str = "") -> int:
         """The minimum of ``value`` over all ranks (every rank must call it)."""
+        ...
+
+    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
+        """The element-wise minimum over all ranks (equal lengths on every rank)."""
         ...
 
 
 class LocalSync:
     """A single rank: nothing to agree with."""
 
-    def min(self, value: int) -> int:
+    def min(self, value: int, what: str = "") -> int:
         return value
+
+    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
+        return tuple(values)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as this rank issued it: the decision, its proposal, the result."""
+
+    name: str
+    proposed: int
+    result: int
+
+
+class Ledger:
+    """``inner`` with every collective recorded, in order (spec/12, 12.5). A vector
+    collective is one entry per element, named ``what[i]``, so the ledger compares
+    element by element."""
+
+    def __init__(self, inner: RankSync) -> None:
+        self.inner = inner
+        self.log: list[Collective] = []
+        self.calls = 0  # collectives issued (a vector one counts once)
+
+    def min(self, value: int, what: str = "") -> int:
+        result = self.inner.min(value, what)
+        self.calls += 1
+        self.log.append(Collective(what, value, result))
+        return result
+
+    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
+        results = self.inner.min_all(values, what)
+        self.calls += 1
+        self.log.extend(Collective(f"{what}[{i}]", v, r)
+                        for i, (v, r) in enumerate(zip(values, results, strict=True)))
+        return results
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks of one ``LocalRanks`` group reached different collectives (the deadlock a
+    real group would hang in), or one of them waited past the timeout."""
+
+
+class LocalRanks:
+    """``world`` ranks in one process, one thread each, meeting at every collective.
+
+    ``sync(rank)`` is rank ``rank``'s ``RankSync``; ``gather`` hands every rank every
+    rank's object (a checker's exchange, a meeting like the others). A meeting waits for
+    every rank; ranks that reach meetings of different names, or a rank that never comes
+    within ``timeout_s``, raise ``CollectiveMismatch`` naming the meeting, in every
+    rank."""
+
+    def __init__(self, world: int, timeout_s: float = 10.0) -> None:
+        if world < 1:
+            raise ValueError(f"world must be >= 1, got {world}")
+        self.world = world
+        self.timeout_s = timeout_s
+        self._barrier = threading.Barrier(world)
+        self._slots: list[tuple[str, object] | None] = [None] * world
+
+    def sync(self, rank: int) -> _RankOf:
+        return _RankOf(self, rank)
+
+    def abort(self) -> None:
+        """Release every rank waiting at a collective (a rank has failed)."""
+        self._barrier.abort()
+
+    def gather(self, rank: int, item: object, what: str = "gather") -> list[object]:
+        """Every rank's ``item``, in rank order."""
+        return self._meet(rank, what, item)
+
+    def _meet(self, rank: int, what: str, item: object) -> list[object]:
+        self._slots[rank] = (what, item)
+        self._wait(what)
+        arrived = list(self._slots)
+        self._wait(what)  # every rank has read the slots before any overwrites its own
+        names = [entry[0] if entry is not None else None for entry in arrived]
+        if len(set(names)) != 1:
+            raise CollectiveMismatch(f"rank {rank} issued {what!r}; the ranks issued "
+                                     f"{names}")
+        return [entry[1] for entry in arrived if entry is not None]
+
+    def _min_all(self, rank: int, what: str, values: tuple[int, ...]) -> tuple[int, ...]:
+        proposals = [p for p in self._meet(rank, what, values) if isinstance(p, tuple)]
+        if len({len(p) for p in proposals}) != 1:
+            raise CollectiveMismatch(f"{what!r}: ranks proposed different numbers of values")
+        return tuple(min(column) for column in zip(*proposals, strict=True))
+
+    def _wait(self, what: str) -> None:
+        try:
+            self._barrier.wait(self.timeout_s)
+        except threading.BrokenBarrierError:
+            raise CollectiveMismatch(f"collective {what!r}: not every rank arrived within "
+                                     f"{self.timeout_s} s (a rank skipped it)") from None
+
+
+class _RankOf:
+    def __init__(self, group: LocalRanks, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+
+    def min(self, value: int, what: str = "") -> int:
+        return self.group._min_all(self.rank, what, (value,))[0]
+
+    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
+        return self.group._min_all(self.rank, what, tuple(values))
 
 
 class TorchDistributedSync:
-    """all_reduce(MIN) over a process group (gloo on CPU tensors, as SGLang's TP group)."""
+    """all_reduce(MIN) over ``group`` (gloo on CPU tensors, as SGLang's TP group), then,
+    with ``pp_size`` > 1, the pipeline relay of spec/12 12.4 over ``pp_group``.
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    The relay is a chain, as SGLang's ``_pp_sync``: no global synchronisation point. It
+    runs twice: down the stages each stage folds its own value into what it received
+    (so a later stage's fuller pool counts), and back up the last stage's result is
+    relayed unchanged. SGLang relays stage 0's value alone, which suits acknowledgement
+    counts (a later stage blocks on its own copies) but not an allocation a later stage
+    cannot make (12.4)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *,
+                 pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0,
+                 pp_size: int = 1, checked: bool = True) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised")
+        if pp_size > 1 and pp_group is None:
+            raise ValueError("pp_size > 1 needs a pp_group")
+        if not 0 <= pp_rank < pp_size:
+            raise ValueError(f"pp_rank {pp_rank} is not a stage of {pp_size}")
         self.group = group
+        self.pp_group = pp_group
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
+        self.checked = checked
 
-    def min(self, value: int) -> int:
-        tensor = torch.tensor([value], dtype=torch.int64)
+    def min(self, value: int, what: str = "") -> int:
+        return self.min_all((value,), what)[0]
+
+    def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
+        """``checked``: a fixed-size header goes first (see ``check``), so ranks that
+        reach different collectives at the same point (one skipped one) all raise
+        ``CollectiveMismatch`` naming theirs, where unchecked they would pair the wrong
+        values silently, or hang on payloads of different sizes."""
+        if not values:
+            return ()
+        if self.checked:
+            self.check(what, len(values))
+        tensor = torch.tensor(list(values), dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        return int(tensor.item())
+        self._relay(tensor)
+        return tuple(int(v) for v in tensor.tolist())
+
+    def check(self, what: str, size: int = 0) -> None:
+        """Every rank is at a collective named ``what`` of ``size`` values, or every
+        rank raises ``CollectiveMismatch``: the MIN of (size, -size, CRC, -CRC) shows
+        the smallest and largest of each over the ranks. A caller's own exchange (an
+        ``all_gather_object``) calls it first, so it cannot pair with a collective."""
+        stamp = zlib.crc32(what.encode())
+        header = torch.tensor([size, -size, stamp, -stamp], dtype=torch.int64)
+        dist.all_reduce(header, op=dist.ReduceOp.MIN, group=self.group)
+        self._relay(header)
+        low_size, high_size, low_stamp, high_stamp = (int(v) for v in header.tolist())
+        if low_size != -high_size or low_stamp != -high_stamp:
+            raise CollectiveMismatch(f"collective {what!r}: the ranks issued different "
+                                     "collectives here (one skipped or added one)")
+
+    def _relay(self, tensor: torch.Tensor) -> None:
+        if self.pp_size <= 1:
+            return
+        group, stage, last = self.pp_group, self.pp_rank, self.pp_size - 1
+        received = torch.empty_like(tensor)
+        if stage > 0:  # down: fold this stage's value into the running minimum
+            dist.recv(received, group=group, group_src=stage - 1)
+            torch.minimum(tensor, received, out=tensor)
+        if stage < last:
+            dist.send(tensor, group=group, group_dst=stage + 1)
+            dist.recv(tensor, group=group, group_src=stage + 1)  # up: the last stage's
+        if stage > 0:
+            dist.send(tensor, group=group, group_dst=stage - 1)

@@ -17,6 +17,11 @@ transcribes spec/09 onto the radix tree:
   host-protected until the write's acknowledgement is drained (INV-STORAGE-WRITE-PROTECT);
 - ``drain_storage_queues``: the I/O's results, then the revoke, ack and release queues.
 
+Many ranks (spec/12): every decision that rests on a rank's own pools, I/O or store (the
+hit length, the reservation's room, whether a prefetch may end and what landed, which
+prefetches are revoked, which pages are stored, which writes are acknowledged) goes
+through the cache's ``RankSync``, so every rank's tier and tree stay alike.
+
 Slots the I/O is still writing into are never freed: a prefetch ended while its I/O
 runs hands the slots past its landed pages to the I/O, and they reach the release queue
 with the I/O's result (DEV-S12, DEV-S13). Protections are kept per page: a page run is
@@ -468,10 +473,12 @@ class StorageTier:
         if not self._worth(self._attached.settings, len(hashes)):
             return 0
         try:
-            return self.page_size * self._attached.backend.exists(hashes)
+            hits = self._attached.backend.exists(hashes)
         except Exception:  # the docstring's "answers 0": a question, not a failure
             self.metrics.hit_query_errors += 1
-            return 0
+            hits = 0
+        # Every rank asks, a failed one too: the hit length is the ranks' minimum (12.3).
+        return self.page_size * self.cache.sync.min(hits, "storage hit")
 
     @_serialised
     def prefetch_from_storage(self, request: str, key: RadixKey,
@@ -497,7 +504,8 @@ class StorageTier:
             self._protect(anchor_run, +1)
         # The shortfall only (DEV-S7); the victims are kept for the conformance layer.
         self.last_host_victims = self.cache._make_host_room(size * len(hashes))
-        fit = min(len(hashes), self.cache.host_pool.num_free_slots // size)
+        free = self.cache.sync.min(self.cache.host_pool.num_free_slots, "prefetch room")
+        fit = min(len(hashes), free // size)
         if fit == 0 or size * fit < settings.prefetch_threshold:
             if depth > 0:
                 self._protect(anchor_run, -1)
@@ -628,7 +636,9 @@ class StorageTier:
         if prefetch is None:
             return True
         attachment = self._require()
-        if not self._may_end(attachment.settings, prefetch, self._timeout_now(now)):
+        # The ranks end it together or not at all, and agree on what landed (12.3).
+        may_end = self._may_end(attachment.settings, prefetch, self._timeout_now(now))
+        if not self.cache.sync.min(int(may_end), "prefetch may end"):
             return False
         tail: Destination = "queue"
         if prefetch.io_running and not prefetch.terminated:
@@ -637,7 +647,7 @@ class StorageTier:
             # Pages counted done are in their slots; the rest stay with the I/O.
             prefetch.landed = max(prefetch.landed, progress or 0)
             tail = "io"
-        landed = min(prefetch.landed, prefetch.owned)
+        landed = self.cache.sync.min(min(prefetch.landed, prefetch.owned), "prefetch landed")
         inserted = self._insert_landed(prefetch, now, landed)
         self._give_up(prefetch, landed, tail)
         prefetch.owned = 0
@@ -757,8 +767,12 @@ class StorageTier:
         attachment = self._require()
         self._require_backed_up_run(run)
         hashes = self._hashes(run.key, attachment.identity)
-        lacking = [page for page in range(run.start, run.end)
-                   if not self._stored(attachment.backend, hashes[page])]
+        # A page is stored only if every rank stored its shard (12.3).
+        stored = self.cache.sync.min_all(
+            [int(self._stored(attachment.backend, hashes[page]))
+             for page in range(run.start, run.end)], "stored")
+        lacking = [page for page, kept in zip(range(run.start, run.end), stored, strict=True)
+                   if not kept]
         if not lacking:
             return False
         runs = [PageRun(run.key, page, page + 1) for page in lacking]
@@ -826,12 +840,9 @@ class StorageTier:
         self._poll()
         state = self.state
         revokes = len(state.revoke_queue)
-        for prefetch_id in state.revoke_queue:
-            prefetch = self._by_id(prefetch_id)
-            if prefetch is not None:  # DEV-S2: an id whose prefetch ended does nothing
-                self._end(prefetch)
+        self._revoke_agreed()  # DEV-S2: an id whose prefetch ended does nothing
         state.revoke_queue.clear()
-        acked = [w for w in state.writes.values() if w.phase == "acked"]
+        acked = self._acked_agreed()
         for write in acked:
             self._release_write(write)
         busy = {slot for slots in state.io_held.values() for slot in slots}
@@ -840,6 +851,37 @@ class StorageTier:
             self.cache.host_pool.release(torch.tensor(freed, dtype=torch.int64))
         state.release_queue = [slot for slot in state.release_queue if slot in busy]
         return revokes, len(acked), len(freed)
+
+    def _acked_agreed(self) -> list[TierWrite]:
+        """The writes whose acknowledgement every rank has (12.3): a write acked here
+        but still running on another rank keeps its protection until a later drain, as
+        SGLang takes the ranks' minimum of its queue lengths. One collective over the
+        writes, which the ranks agree on; none when there are none."""
+        writes = sorted(self.state.writes.values(), key=lambda w: w.id)
+        if not writes:
+            return []
+        acked = self.cache.sync.min_all([int(w.phase == "acked") for w in writes],
+                                        "write acked")
+        return [write for write, done in zip(writes, acked, strict=True) if done]
+
+    def _revoke_agreed(self) -> None:
+        """End the prefetches revoked on any rank, on every rank (12.3: a storage miss on
+        one rank is a miss for all). One collective over the ongoing prefetches, which
+        the ranks agree on; none when there are none, on every rank alike."""
+        ongoing = sorted(self.state.prefetches.values(), key=lambda p: p.id)
+        if not ongoing:
+            return
+        revoked = set(self.state.revoke_queue)
+        kept = self.cache.sync.min_all([int(p.id not in revoked) for p in ongoing],
+                                       "prefetch kept")
+        for prefetch, keep in zip(ongoing, kept, strict=True):
+            if keep:
+                continue
+            if prefetch.id not in revoked:  # revoked elsewhere: give up like an abort
+                if prefetch.io_running:
+                    self._require().io.terminate(prefetch.id)
+                self._give_up(prefetch, 0, "io" if prefetch.io_running else "queue")
+            self._end(prefetch)
 
     # ------------------------------------------------------------------ checks
 
