@@ -27,6 +27,7 @@ from hiradix.decisions import BackupDecision, DeviceVictim, LoadDecision, PageRe
 from hiradix.device_pool import DeviceKVPool
 from hiradix.distributed import LocalSync, RankSync
 from hiradix.errors import ConfigError, ForeignNode, InvalidArgument, NotLocked, SlotError
+from hiradix.events import EventKind, EventSink, KVEvent, Medium
 from hiradix.host_pool import HostKVPool, HostLayout
 from hiradix.keys import RadixKey, common_pages
 from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
@@ -106,13 +107,15 @@ class HiRadixCache:
         transfer: EngineKind = "auto",
         clock: Clock | None = None,
         sync: RankSync | None = None,
+        events: EventSink | None = None,
     ) -> HiRadixCache:
         """A cache with its device pool (``device_slots`` token slots of ``kv`` on
         ``device``), its host pool (``host_ratio`` times the device slots, or
         ``host_bytes``, as SGLang's ``--hicache-ratio`` / ``--hicache-size``; give
         ``host_bytes`` and ``host_ratio=None``) and its copy engine (``auto``: CUDA streams
         on a CUDA device, else synchronous copies). Every argument is checked before
-        anything is allocated; a bad one raises ``ConfigError`` naming it."""
+        anything is allocated; a bad one raises ``ConfigError`` naming it. ``events``
+        receives the KV events (spec/11; ``hiradix.events``)."""
         config = CacheConfig(page_size=page_size, write_policy=write_policy, eviction=eviction,
                              load_back_threshold=load_back_threshold)
         if not is_int(device_slots) or device_slots < page_size \
@@ -136,7 +139,8 @@ class HiRadixCache:
         except SlotError as error:  # the pools' argument names, in this method's words
             raise ConfigError(renamed.get(error.argument, error.argument),
                               error.reason) from error
-        return cls(config, device_pool, host_pool, engine, clock=clock, sync=sync)
+        return cls(config, device_pool, host_pool, engine, clock=clock, sync=sync,
+                   events=events)
 
     def __init__(
         self,
@@ -148,6 +152,7 @@ class HiRadixCache:
         clock: Clock | None = None,
         sync: RankSync | None = None,
         recorder: Recorder | None = None,
+        events: EventSink | None = None,
     ) -> None:
         if device_pool.page_size != config.page_size or host_pool.page_size != config.page_size:
             raise InvalidArgument("device_pool/host_pool", "page sizes differ from the config")
@@ -159,6 +164,8 @@ class HiRadixCache:
         self.clock: Clock = clock or CountingClock()
         self.sync: RankSync = sync or LocalSync()
         self.recorder = recorder
+        # The KV event sink (spec/11); None: no events, and nothing is built for them.
+        self.events: EventSink | None = events
         # Called with each node a write_back eviction has just copied to host (one page,
         # host copy complete), so a storage tier can back it up (spec/09, S-R1).
         self.on_write_back: Callable[[TreeNode], None] | None = None
@@ -193,6 +200,9 @@ class HiRadixCache:
         self.pending: dict[Direction, deque[PendingCopy]] = {"d2h": deque(), "h2d": deque()}
         self._issued = 0
         self.last_tick = 0
+        if self.events is not None:  # spec/11 11.3: reset empties device and host
+            self.events(KVEvent("cleared", "device"))
+            self.events(KVEvent("cleared", "host"))
 
     def evictable_size(self) -> int:
         return self.evictable_tokens
@@ -217,6 +227,8 @@ class HiRadixCache:
                 self.protected_tokens += sign * len(node.tokens)
 
     def _set_device(self, node: TreeNode, slots: torch.Tensor | None) -> None:
+        if self.events is not None and (node.device is None) != (slots is None):
+            self._emit("stored" if slots is not None else "removed", "device", node)
         self._count(node, -1)
         if node.device is not None:
             self._device_owned.index_fill_(0, node.device, False)
@@ -224,6 +236,14 @@ class HiRadixCache:
         if slots is not None:
             self._device_owned.index_fill_(0, slots, True)
         self._count(node, +1)
+
+    def _emit(self, kind: EventKind, medium: Medium, node: TreeNode) -> None:
+        """One event per page of ``node``, root-most first (spec/11, 11.1)."""
+        assert self.events is not None
+        prefix = node.prefix()
+        for end in range(len(prefix) - len(node.tokens) + self.page_size, len(prefix) + 1,
+                         self.page_size):
+            self.events(KVEvent(kind, medium, node.namespace, prefix[:end]))
 
     def _add_lock(self, node: TreeNode, delta: int) -> int:
         """Add ``delta`` to the lock of ``node`` and its ancestors; return evictable change."""
@@ -620,6 +640,11 @@ class HiRadixCache:
                 for node in covered:
                     node.host_ref -= 1
                     self._refresh(node)
+            elif self.events is not None:  # the backup landed: its pages are on host
+                landed = copy.nodes()
+                assert landed is not None, f"copy {copy.ticket} lost its nodes"
+                for node in landed:
+                    self._emit("stored", "host", node)
             self._add_lock(copy.lock_node, -1)
         return count
 
@@ -743,6 +768,8 @@ class HiRadixCache:
         # so it copies directly rather than through the asynchronous engine.
         self.host_pool.copy_from_device_unchecked(self.device_pool, node.device, host)
         node.host = host
+        if self.events is not None:
+            self._emit("stored", "host", node)
         freed.append(node.device)
         self._set_device(node, None)
         self._refresh_around(node)
@@ -773,6 +800,8 @@ class HiRadixCache:
         host_freed = []
         for n in doomed:
             if n.host is not None:
+                if self.events is not None:
+                    self._emit("removed", "host", n)
                 host_freed.append(n.host)
                 n.host = None
             if n.device is not None:
@@ -819,6 +848,8 @@ class HiRadixCache:
             assert node.parent is not None and node.host is not None
             if self.recorder is not None:
                 victims.extend(self._page_refs(node))
+            if self.events is not None:
+                self._emit("removed", "host", node)
             freed.append(node.host)
             evicted += len(node.tokens)
             node.host = None

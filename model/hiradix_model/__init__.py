@@ -9,7 +9,7 @@ from hiradix_model.invariants import INVARIANTS, check, violations
 from hiradix_model.keys import Key
 from hiradix_model.ops import *  # noqa: F403
 from hiradix_model.ops import __all__ as _ops
-from hiradix_model.state import Page, State, Transfer, initial
+from hiradix_model.state import Event, Page, State, Transfer, initial
 from hiradix_model.storage import PREFETCH_POLICIES, StorageId, StorageSettings, StorageState
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "WRITE_POLICIES",
     "Config",
     "ConfigError",
+    "Event",
     "IllegalChoice",
     "Key",
     "ModelError",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 
+from hiradix_model.events import replay, residency_problems
 from hiradix_model.keys import Key, parent_page
 from hiradix_model.state import (
     State,
@@ -414,6 +415,18 @@ def storage_detached_idle(state: State) -> Iterator[str]:
     for what, n in busy.items():
         if n:
             yield f"detached, but {n} {what} remain"
+
+
+# -- KV events (spec/05 5.10; spec/11) ----------------------------------------------------
+
+
+@invariant("INV-EVENTS-REPLAY")
+def events_replay(state: State) -> Iterator[str]:
+    if state.events is None:
+        return
+    resident, problems = replay(state.events)
+    yield from problems
+    yield from residency_problems(state, resident)
 
 
 def violations(state: State) -> dict[str, list[str]]:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from hiradix_model.config import Config
 from hiradix_model.keys import Key, content_at, parent_page
 from hiradix_model.storage import StorageState
 
 Direction = Literal["d2h", "h2d"]
+Tier = Literal["device", "host", "storage"]  # the media of KV events (spec/11)
+TIERS: tuple[Tier, ...] = get_args(Tier)
+EventKind = Literal["stored", "removed", "cleared"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,15 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Event:
+    """One KV event (spec/11, 11.1); ``page`` is None exactly for ``cleared``."""
+
+    kind: EventKind
+    tier: Tier
+    page: Key | None = None
+
+
+@dataclass(frozen=True)
 class State:
     """The whole abstract cache. Treat every field as immutable."""
 
@@ -60,6 +72,10 @@ class State:
     protected_tokens: int
     # The storage tier (spec/09); None: no backend was ever attached, the state of 02.
     storage: StorageState | None = None
+    # The KV event stream since the initial state (spec/11); None: no stream is kept,
+    # and INV-EVENTS-REPLAY has nothing to check. Operations leave it as it is;
+    # ``events.record`` extends it.
+    events: tuple[Event, ...] | None = None
 
 
 def initial(config: Config) -> State:

@@ -16,10 +16,11 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hiradix_model import choosers, ops
 from hiradix_model.config import STRATEGIES, WRITE_POLICIES, Config
+from hiradix_model.events import record
 from hiradix_model.invariants import INVARIANTS, violations
 from hiradix_model.keys import Key
 from hiradix_model.state import State, initial
@@ -41,7 +42,8 @@ class Walk:
     """One random walk over one configuration."""
 
     def __init__(self, config: Config, rng: random.Random, tally: Tally) -> None:
-        self.state = initial(config)
+        # The state keeps its KV event stream (spec/11), so INV-EVENTS-REPLAY is checked.
+        self.state = replace(initial(config), events=())
         self.rng = rng
         self.tally = tally
         self.now = 0
@@ -49,7 +51,8 @@ class Walk:
 
     def apply(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
               **kwargs: object) -> object:
-        self.state, observation = op(self.state, *args, **kwargs)
+        after, observation = op(self.state, *args, **kwargs)
+        self.state = record(self.state, after)
         self.tally.ops[name] += 1
         self.tally.steps += 1
         self.history.append(name)

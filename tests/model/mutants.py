@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from hiradix_model import Key, Page, State
+from hiradix_model import Event, Key, Page, State, initial
+from hiradix_model.events import step_events
 
 from scenario import BACKING_UP, HOST_ONLY, LOADED, build_storage
 
@@ -185,6 +186,14 @@ def detached_with_prefetches(s: State) -> State:
     return _storage(s, backend=None)
 
 
+def forgotten_host_store(s: State) -> State:
+    # The stream from the empty cache, less the host BlockStored of HOST_ONLY: a path
+    # that gives a page a host copy and forgets to say so.
+    stream = step_events(initial(s.config), s)
+    return replace(s, events=tuple(e for e in stream
+                                   if e != Event("stored", "host", HOST_ONLY)))
+
+
 MUTANTS: dict[str, Callable[[State], State]] = {
     "INV-TREE-WELL-FORMED": orphan_page,
     "INV-RESIDENT": nowhere,
@@ -212,4 +221,5 @@ MUTANTS: dict[str, Callable[[State], State]] = {
     "INV-PREFETCH-INTEGRITY": landed_corrupt,
     "INV-PREFETCH-ACCOUNTING": occupancy_drift,
     "INV-STORAGE-DETACHED-IDLE": detached_with_prefetches,
+    "INV-EVENTS-REPLAY": forgotten_host_store,
 }

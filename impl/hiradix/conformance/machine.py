@@ -35,6 +35,7 @@ from hiradix.cache import HiRadixCache, MatchResult
 from hiradix.clock import ManualClock
 from hiradix.conformance.abstraction import abstract, page_keys
 from hiradix.conformance.coverage import tally_states
+from hiradix.conformance.events import EventWatch
 from hiradix.conformance.kv import patterns
 from hiradix.conformance.recording import Recording
 from hiradix.conformance.scenario import Scenario
@@ -161,6 +162,8 @@ EXERCISED: dict[str, Callable[[State], bool]] = {
         s.storage.prefetches),
     "INV-STORAGE-DETACHED-IDLE": lambda s: s.storage is not None
     and s.storage.backend is None,
+    # Machines keep the stream beside the model (EventWatch) and count this one there.
+    "INV-EVENTS-REPLAY": lambda s: bool(s.events),
 }
 
 
@@ -219,6 +222,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             self.recorder = Recorder()
             self.clock = ManualClock()
             self.cache = scenario.build(self.clock, self.recorder)
+            self.watch = EventWatch(self.cache)
             self.model = initial(scenario.model_config())
             self.caller_locks: list[TreeNode] = []
             self.holdings: list[torch.Tensor] = []
@@ -255,6 +259,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             assert not self.trace, "reshape before any step"
             self.scenario = shaped
             self.cache = shaped.build(self.clock, self.recorder)
+            self.watch = EventWatch(self.cache)
             self.model = initial(shaped.model_config())
             counts.last_config = shaped.model_config()
 
@@ -650,6 +655,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if seen != self.model:
                 raise AssertionError("implementation and model disagree:\n"
                                      + describe_difference(seen, self.model))
+            if self.watch.check(self.model):  # INV-EVENTS-REPLAY (spec/11)
+                counts.exercised["INV-EVENTS-REPLAY"] += 1
             counts.checks += 1
             tally_states(counts.states, self.model)
             for spec_id, busy in EXERCISED.items():

@@ -700,6 +700,8 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 raise AssertionError("implementation and model disagree:\n"
                                      + describe_difference(seen, self.model)
                                      + "\n" + describe_difference_storage(seen, self.model))
+            if self.watch.check(self.model):  # INV-EVENTS-REPLAY (spec/11)
+                self.counts.exercised["INV-EVENTS-REPLAY"] += 1
             self.counts.checks += 1
             for spec_id, busy in machine.EXERCISED.items():
                 if busy(self.model):

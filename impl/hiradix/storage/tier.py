@@ -54,6 +54,7 @@ import torch
 from hiradix._slots import is_int
 from hiradix.cache import HiRadixCache
 from hiradix.clock import Clock, ManualClock, MonotonicClock
+from hiradix.events import EventKind, KVEvent
 from hiradix.keys import RadixKey
 from hiradix.storage.backend import StorageBackend
 from hiradix.storage.config import PREFETCH_POLICIES, PrefetchPolicy, StorageConfig
@@ -362,6 +363,8 @@ class StorageTier:
         assert not self.state.io_held, self.state.io_held
         self.cache.on_write_back = None
         self._attached = None
+        if self.cache.events is not None:  # no stored page is this cache's to read now
+            self.cache.events(KVEvent("cleared", "storage"))
 
     @_serialised
     def clear(self) -> bool:
@@ -369,6 +372,8 @@ class StorageTier:
         if self._attached is None:
             return False
         self._attached.backend.clear()
+        if self.cache.events is not None:
+            self.cache.events(KVEvent("cleared", "storage"))
         return True
 
     # ------------------------------------------------------------------ helpers
@@ -531,6 +536,10 @@ class StorageTier:
         assert isinstance(result.op_id, int)
         self.state.io_held.pop(result.op_id, None)  # those queued slots may be freed now
         prefetch = self._by_id(result.op_id)
+        if prefetch is not None and result.corrupt and self.cache.events is not None:
+            # The backend discarded the page after the landed ones (DEV-S11; spec/11).
+            page = prefetch.anchor + result.pages_done
+            self._emit("removed", PageRun(prefetch.key, page, page + 1))
         if prefetch is None or not prefetch.io_running:
             return
         prefetch.io_running = False
@@ -557,6 +566,9 @@ class StorageTier:
         write = self.state.writes[result.op_id]
         write.done = result.pages_done
         write.phase = "acked"
+        if self.cache.events is not None:  # the pages handled are in storage (spec/11)
+            for run in write.pages[:write.done]:
+                self._emit("stored", run)
         if result.error is not None:
             self.metrics.write_errors += 1
 
@@ -694,6 +706,8 @@ class StorageTier:
         node.host = keep.clone()
         parent.children[(key.namespace, tokens[:size])] = node
         cache._refresh_around(node)
+        if cache.events is not None:  # the prefetch insert (spec/11, 11.3)
+            cache._emit("stored", "host", node)
         return landed - walked
 
     @_serialised
@@ -815,6 +829,12 @@ class StorageTier:
         if position < run.end * size:
             raise StorageArgumentError("run", f"only {position} tokens of the key are cached; "
                                               f"the run ends at {run.end * size}")
+
+    def _emit(self, kind: EventKind, run: PageRun) -> None:
+        """The storage event of ``run``'s one page (spec/11)."""
+        assert self.cache.events is not None and run.end == run.start + 1, run
+        tokens = run.key.tokens[:run.end * self.page_size]
+        self.cache.events(KVEvent(kind, "storage", run.key.namespace, tokens))
 
     def _stored(self, backend: StorageBackend, page_hash: str) -> bool:
         """Whether ``backend`` has the page; a failing check (any ``Exception``) answers
