@@ -475,6 +475,7 @@ def test_dev31_write_back_host_eviction_reclaims_a_device_pages_host_copy() -> N
     and here there is none, so it would evict nothing."""
     from test_sglang_adapters import _put
     adapter = factory(ENGINE, Scenario(page_size=1, write_policy="write_back"))()
+    adapter.skip_duplicate_reclaim = False  # SGLang's default (campaigns switch it off)
     page = Key((1,))
     _put(adapter, (1,), 1)
     assert adapter.evict(1) == 1  # to host (DEV-6)

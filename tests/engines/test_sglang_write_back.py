@@ -9,6 +9,7 @@ Skipped where SGLang is not installed.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
 
 import pytest
@@ -115,9 +116,10 @@ def test_dev31_write_back_host_eviction_reclaims_a_device_pages_host_copy(
     adapter = _one_free_host_slot(UNIFIED)
     page = Key((3,))
     adapter.dec_lock_ref(page)
-    monkeypatch.setenv("SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM", "1")
+    assert adapter.skip_duplicate_reclaim  # the adapter sets the switch under write_back
     assert adapter.evict_host(1) == 0  # as the spec: nothing host-only to evict
-    monkeypatch.delenv("SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM")
+    assert "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM" not in os.environ  # set per call
+    adapter.skip_duplicate_reclaim = False  # SGLang's default
     before = adapter.observe(initial(adapter.config)).pages[page]
     assert before.device is not None and before.host is not None
     assert adapter.evict_host(1) == 1

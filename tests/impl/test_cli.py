@@ -20,7 +20,6 @@ BAD = [
     (["--steps", "0"], "--steps: must be positive"),
     (["--policies", "write_sometimes"], "--policies: unknown write_sometimes"),
     (["--strategies", "random"], "--strategies: unknown random"),
-    (["--engine", "ours", "--policies", "write_back"], "--policies: the differential suite"),
 ]
 
 

@@ -182,6 +182,27 @@ def make_differential(factory: Callable[[], EngineAdapter],
             chosen = infer.device_victims(self.model, before, self.observe(adopt=False),
                                            num_tokens)
             self.agree(evicted, self.step("evict", ops.evict, num_tokens, chosen))
+            self.keep_write_back_room()
+
+        def evict_host_both(self, num_tokens: int) -> None:
+            before = self.observe()
+            evicted = self.engine.evict_host(num_tokens)
+            chosen = infer.host_victims(self.model, before, self.observe(adopt=False), num_tokens)
+            self.agree(evicted, self.step("evict_host", ops.evict_host, num_tokens, chosen))
+
+        def keep_write_back_room(self) -> None:
+            """DEV-32 steering: an engine that writes back whole nodes (room for the node
+            first, dropped whole) cannot be judged page by page where a write-back victim
+            needs host room. After each device eviction and load, host pages are evicted
+            until every device page has a free host page, so no victim needs room (R2)
+            and the rest of write-back eviction is compared step by step."""
+            if ("write_back_host_room_per_node" not in self.engine.mapped
+                    or self.model.config.write_policy != "write_back"):
+                return
+            need = self.model.config.device_slots - len(self.model.host_free)
+            if need > 0:
+                counts.ops["host room kept for write-back (DEV-32)"] += 1
+                self.evict_host_both(need)
 
         def load_both(self, page: Key) -> None:
             before = self.observe()
@@ -208,6 +229,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
             result = self.step("init_load_back", ops.init_load_back, page, None,
                                device_victims=victims, device_slots=slots)
             self.agree((loaded, last), result)
+            self.keep_write_back_room()
 
         # -- the operations ------------------------------------------------------------
 
@@ -334,10 +356,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
         @precondition(lambda self: self.has("evict_host"))
         @rule(num_tokens=st.integers(0, 12))
         def evict_host(self, num_tokens: int) -> None:
-            before = self.observe()
-            evicted = self.engine.evict_host(num_tokens)
-            chosen = infer.host_victims(self.model, before, self.observe(adopt=False), num_tokens)
-            self.agree(evicted, self.step("evict_host", ops.evict_host, num_tokens, chosen))
+            self.evict_host_both(num_tokens)
 
         @precondition(lambda self: self.has("writing_check")
                       and any(t.direction == "d2h" for t in self.model.pending))

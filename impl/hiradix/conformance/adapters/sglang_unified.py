@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -80,6 +81,9 @@ _MODULES = {
     "args": "sglang.srt.server_args",
     "context": "sglang.srt.runtime_context",
 }
+
+
+SKIP_RECLAIM = "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM"  # DEV-31
 
 
 class UnifiedClock:
@@ -280,8 +284,13 @@ class SglangUnifiedAdapter(SglangAdapter):
                            "starts the queued copy, as the scheduler does before a batch",
         }
         self.avoid: Mapping[str, str] = {}
+        # DEV-31: the host eviction's duplicate reclaim is switched off under write_back
+        # by SGLang's own switch, read at each host eviction; False gives its default.
+        self.skip_duplicate_reclaim = scenario.write_policy == "write_back"
         if scenario.write_policy == "write_back":
-            self.mapped = {**self.mapped, **WRITE_BACK_MAPPED}
+            self.mapped = {**self.mapped, **WRITE_BACK_MAPPED, "host duplicate reclaim": (
+                f"DEV-31: {SKIP_RECLAIM}=1 around the calls that may evict on host, as a "
+                "server may set it: its host eviction then takes host-only pages only")}
         self.inexpressible: Mapping[str, str] = {
             "counted_from_inside": "DEV-25: 0.5.20's insert takes only chunked",
         } if self.v20 else {}
@@ -428,12 +437,30 @@ class SglangUnifiedAdapter(SglangAdapter):
             self._record_run(issued, [self.tree.node_by_id(i) for i in issued])
         return int(result.prefix_len)
 
+    @contextmanager
+    def _reclaim_switch(self) -> Iterator[None]:
+        """SGLang's DEV-31 switch set for one call when ``skip_duplicate_reclaim``."""
+        if not self.skip_duplicate_reclaim:
+            yield
+            return
+        was = os.environ.get(SKIP_RECLAIM)
+        os.environ[SKIP_RECLAIM] = "1"
+        try:
+            yield
+        finally:
+            if was is None:
+                del os.environ[SKIP_RECLAIM]
+            else:
+                os.environ[SKIP_RECLAIM] = was
+
     def evict(self, num_tokens: int) -> int:
-        result = self.cache.evict(self.m["base"].EvictParams(num_tokens=num_tokens))
+        with self._reclaim_switch():
+            result = self.cache.evict(self.m["base"].EvictParams(num_tokens=num_tokens))
         return int(result.num_tokens_evicted)
 
     def evict_host(self, num_tokens: int) -> int:
-        return int(self.cache.evict_host(num_tokens))
+        with self._reclaim_switch():
+            return int(self.cache.evict_host(num_tokens))
 
     def init_load_back(self, page: Key | None,
                        quota: int | None) -> tuple[tuple[int, ...], Key | None]:
@@ -448,8 +475,9 @@ class SglangUnifiedAdapter(SglangAdapter):
         # at, and no SWA / Mamba host hits (FULL is the only component).
         req = SimpleNamespace(rid="hiradix", last_node=cursor.id, swa_host_hit_length=0,
                               mamba_host_hit_length=0, kv=SimpleNamespace(mamba_pool_idx=None))
-        got, last = self.cache.init_load_back(self.m["base"].InitLoadBackParams(
-            best_match_node=node.id, host_hit_length=host_hit, mem_quota=quota, req=req))
+        with self._reclaim_switch():
+            got, last = self.cache.init_load_back(self.m["base"].InitLoadBackParams(
+                best_match_node=node.id, host_hit_length=host_hit, mem_quota=quota, req=req))
         # 0.5.20 returns the loaded device indices, 0.5.23 their number.
         loaded = from_engine(got, self.ps) if self.v20 else ()
         if node.id in self.cache.ongoing_load_back:
