@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rank_mutants import RANK_MUTANTS
-
 from hiradix_model import INVARIANTS
 from hiradix_model.ranks import RANK_INVARIANTS
 
 from mutants import MUTANTS
+from rank_mutants import RANK_MUTANTS
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 

@@ -13,13 +13,17 @@ Embedding it takes a few lines (README.md, "Embed it in a scheduler";
 Every public method checks its arguments before it changes anything: bad input raises an
 ``InvalidArgument`` subclass naming the argument and leaves the cache as it was.
 ``check_invariants()`` audits every invariant of spec/05 (and the storage tier's host
-slots, spec/09 9.2) and raises ``InvariantViolation`` with the spec ID.
+slots, spec/09 9.2) and raises ``InvariantViolation`` with the spec ID. ``events=`` takes a
+sink for the KV event stream (``KVEvent``, spec/11); ``sync=`` a ``RankSync`` that agrees
+every rank-local decision across tensor/pipeline-parallel ranks (``TorchDistributedSync``,
+spec/12).
 """
 
 from hiradix.cache import HiRadixCache, MatchResult
 from hiradix.clock import Clock, CountingClock, ManualClock
 from hiradix.config import CacheConfig, KVShape
 from hiradix.device_pool import DeviceKVPool
+from hiradix.distributed import LocalSync, RankSync, TorchDistributedSync
 from hiradix.errors import (
     ConfigError,
     ForeignNode,
@@ -29,6 +33,7 @@ from hiradix.errors import (
     NotLocked,
     SlotError,
 )
+from hiradix.events import EventLog, EventSink, KVEvent
 from hiradix.host_pool import HostKVPool
 from hiradix.keys import RadixKey
 from hiradix.policies import STRATEGIES, WRITE_POLICIES, Strategy, WritePolicy
@@ -51,6 +56,8 @@ __all__ = [
     "ConfigError",
     "CountingClock",
     "DeviceKVPool",
+    "EventLog",
+    "EventSink",
     "FileBackend",
     "ForeignNode",
     "HiRadixCache",
@@ -58,12 +65,15 @@ __all__ = [
     "HostKVPool",
     "InvalidArgument",
     "InvariantViolation",
+    "KVEvent",
     "KVShape",
+    "LocalSync",
     "ManualClock",
     "MatchResult",
     "MemoryBackend",
     "NotLocked",
     "RadixKey",
+    "RankSync",
     "SlotError",
     "StorageArgumentError",
     "StorageBackend",
@@ -73,6 +83,7 @@ __all__ = [
     "StorageTier",
     "Strategy",
     "TierSettings",
+    "TorchDistributedSync",
     "TransferEngine",
     "TreeNode",
     "WritePolicy",

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from rank_mutants import RANK_MUTANTS, healthy
 
 from hiradix_model import Key, Page
 from hiradix_model.ranks import RANK_INVARIANTS, check_ranks, rank_violations, view
 
 import scenario
+from rank_mutants import RANK_MUTANTS, healthy
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
