@@ -46,9 +46,6 @@ DEFAULT_PAGE_SIZES = (1, 2, 4, 16)
 
 
 COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance machine
-# Engines driven through an adapter by the differential suite, which covers the
-# write-through policies (its choice inference does not model write-back eviction).
-DIFFERENTIAL_POLICIES = ("write_through", "write_through_selective")
 
 
 # Engines whose API needs a machine of its own (vLLM's request-level allocate/free;
@@ -335,9 +332,12 @@ def unreached(tally: Tally, covered: set[Scenario], engine: str = "controlled") 
     states (those of the storage tier only when a tier was in the matrix) and rules
     never run."""
     storage = any(s.storage for s in covered)
+    # The event stream is ours (spec/11); an engine's campaign does not read one.
+    events = engine in COPY_ENGINES
     idle = [spec_id for spec_id in EXERCISED if not tally.exercised[spec_id]
             and (storage or not spec_id.startswith(("INV-PREFETCH", "INV-STORAGE",
-                                                    "INV-RELEASE")))]
+                                                    "INV-RELEASE")))
+            and (events or spec_id != "INV-EVENTS-REPLAY")]
     return idle + [name for name in COVERAGE if not tally.states[name]
                    and (storage or name not in STORAGE_ONLY)] + [
         f"rule {name}" for name in machine_rules(engine, covered) if not tally.rules[name]]
@@ -361,7 +361,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "(copies finished in any order); the others: an engine through "
                             "its adapter and the differential suite (sglang: 0.5.20 "
                             "HiRadixCache; sglang-unified[-rust]: UnifiedRadixCache on the "
-                            "Python [Rust] tree core; vllm[-offload]: vLLM's prefix cache "
+                            "Python [Rust] tree core; sglang-storage, "
+                            "sglang-unified-storage: their storage tier (HiCacheFile); "
+                            "sglang-unified-rust-hicache: the Rust core's host tier; "
+                            "vllm[-offload]: vLLM's prefix cache "
                             "[and CPU offload])")
     check.add_argument("--device", default="cpu")
     check.add_argument("--report", default=None, metavar="DIR",
@@ -465,13 +468,6 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
             version = probe(args.engine)
         except EngineUnavailable as missing:
             raise UsageError(str(missing)) from None
-        unsupported = sorted(set(args.policies) - set(DIFFERENTIAL_POLICIES))
-        if unsupported:
-            if args.policies != list(WRITE_POLICIES):
-                raise UsageError(f"--policies: the differential suite covers "
-                                 f"{', '.join(DIFFERENTIAL_POLICIES)}, not "
-                                 f"{', '.join(unsupported)}")
-            args = replace_namespace(args, policies=list(DIFFERENTIAL_POLICIES))
         if args.page_sizes == list(DEFAULT_PAGE_SIZES):
             # Requests are up to 14 tokens: page size 16 would cache nothing.
             args = replace_namespace(args, page_sizes=[1, 2, 4])
