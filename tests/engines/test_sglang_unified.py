@@ -466,25 +466,3 @@ def test_dev30_write_through_backs_up_a_due_pages_uncounted_ancestors() -> None:
     assert len(model.pending) == 1 and len(model.pending[0].pages) == 4
     adapter.close()
 
-
-def test_dev31_write_back_host_eviction_reclaims_a_device_pages_host_copy() -> None:
-    """spec/07 DEV-31, run: under write_back, UnifiedRadixCache's host eviction first
-    frees host copies of pages that are also on device ("duplicate reclaim"). (1,) is
-    evicted to host and loaded back (now on both tiers); evict_host(1) then drops its
-    host copy and keeps it on device. The spec's evict_host takes host-only pages only,
-    and here there is none, so it would evict nothing."""
-    from test_sglang_adapters import _put
-    adapter = factory(ENGINE, Scenario(page_size=1, write_policy="write_back"))()
-    adapter.skip_duplicate_reclaim = False  # SGLang's default (campaigns switch it off)
-    page = Key((1,))
-    _put(adapter, (1,), 1)
-    assert adapter.evict(1) == 1  # to host (DEV-6)
-    adapter.match_prefix(page)
-    adapter.init_load_back(page, None)
-    adapter.loading_check()
-    before = adapter.observe(initial(adapter.config)).pages[page]
-    assert before.device is not None and before.host is not None
-    assert adapter.evict_host(1) == 1
-    after = adapter.observe(initial(adapter.config)).pages[page]
-    assert after.device == before.device and after.host is None
-    adapter.close()

@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 from hiradix.conformance.adapters.sglang import _InsertionOrdered, device_pools
-from hiradix.conformance.adapters.sglang_unified import UnifiedClock, UnifiedEnv, radix_key
+from hiradix.conformance.adapters.sglang_unified import (
+    UnifiedClock,
+    UnifiedEnv,
+    node_ending_at,
+    radix_key,
+)
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Key
 
@@ -85,16 +90,9 @@ class PythonReference:
 
     def _node(self, page: Key | None) -> Any:
         """The node that ends at ``page``."""
-        node, done = self.tree.root_node, 0
-        while page is not None and done < len(page.tokens):
-            for child in node.children.values():
-                width = len(child.key)
-                if (child.key.extra_key == page.namespace
-                        and tuple(child.key.token_ids) == page.tokens[done:done + width]):
-                    node, done = child, done + width
-                    break
-            else:
-                raise Parted(f"the Python core has no node ending at {page}")
+        node = node_ending_at(self.tree.root_node, page)
+        if node is None:
+            raise Parted(f"the Python core has no node ending at {page}")
         return node
 
     def match_prefix(self, key: Key) -> int:

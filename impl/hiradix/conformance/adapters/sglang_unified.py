@@ -86,6 +86,23 @@ _MODULES = {
 SKIP_RECLAIM = "SGLANG_HICACHE_SKIP_HOST_DUPLICATE_RECLAIM"  # DEV-31
 
 
+
+def node_ending_at(root: Any, page: Key | None) -> Any:
+    """The node of a UnifiedRadixCache tree (either core's Python side) that ends at
+    ``page``, walking down from ``root``; None if no node ends there."""
+    node, done = root, 0
+    while page is not None and done < len(page.tokens):
+        for child in node.children.values():
+            width = len(child.key)
+            if (child.key.extra_key == page.namespace
+                    and tuple(child.key.token_ids) == page.tokens[done:done + width]):
+                node, done = child, done + width
+                break
+        else:
+            return None
+    return node
+
+
 class UnifiedClock:
     """Stands in for the tree core's global time counter (DEV-21): every read returns a
     larger stamp, and stamps of one logical tick share ``tick_of``. SGLang subtracts
@@ -319,19 +336,9 @@ class SglangUnifiedAdapter(SglangAdapter):
 
     def _node(self, page: Key | None) -> Any:
         """The node that ends at ``page`` (a match has put a boundary there)."""
-        node = self.tree.root_node
-        if page is None:
-            return node
-        done = 0
-        while done < len(page.tokens):
-            for child in node.children.values():
-                width = len(child.key)
-                if (child.key.extra_key == page.namespace
-                        and tuple(child.key.token_ids) == page.tokens[done:done + width]):
-                    node, done = child, done + width
-                    break
-            else:
-                raise KeyError(f"{self.name}: no node ends at {page}")
+        node = node_ending_at(self.tree.root_node, page)
+        if node is None:
+            raise KeyError(f"{self.name}: no node ends at {page}")
         return node
 
     def _device_prefix(self, key: Key) -> tuple[int, ...]:
