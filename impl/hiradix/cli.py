@@ -175,9 +175,12 @@ def run(args: argparse.Namespace) -> int:
     # 'none': one in memory, for this run's replay of a failure cut short.
     database: ExampleDatabase = (InMemoryExampleDatabase() if args.database == "none"
                                  else DirectoryBasedExampleDatabase(args.database))
+    # derandomize=False: Hypothesis derandomizes under a CI environment variable, which
+    # would give every batch of a configuration the same examples (CI=true once ran
+    # campaigns of evictions only). Runs replay through --seed instead.
     batch = settings(max_examples=args.batch, stateful_step_count=args.steps, deadline=None,
                      database=database, suppress_health_check=list(HealthCheck),
-                     print_blob=False)
+                     print_blob=False, derandomize=False)
     for index in itertools.count():
         elapsed = time.monotonic() - started
         if args.examples is not None and tally.examples >= args.examples:
@@ -221,6 +224,11 @@ def run(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
     summary(tally, covered, len(scenarios), time.monotonic() - started, args.engine)
     missed = unreached(tally, covered, args.engine)
+    if tally.examples and not any(tally.exercised.values()):
+        # A campaign in which no invariant had anything to check has checked nothing.
+        print("hiradix check: no invariant had anything to check in any step: "
+              "this campaign checked nothing", flush=True)
+        return 1
     if args.require_coverage and missed:
         print(f"--require-coverage: never reached: {', '.join(missed)}", flush=True)
         return 1

@@ -4,11 +4,13 @@ never a conformance FAILED with a reproducer (issue #6, "failing loudly")."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from hiradix import cli
 from hiradix.conformance.adapters import ENGINES, EngineUnavailable, probe
@@ -179,3 +181,19 @@ def test_seconds_bounds_the_run_shrinking_included(
     # The deadline, then one replay of the failure without shrinking (a few examples of
     # about a second here); unbounded, shrinking this machine takes minutes.
     assert elapsed < 3 + 10, f"the run took {elapsed:.1f} s for --seconds 3"
+
+
+def test_a_derandomizing_profile_does_not_reach_the_campaign(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Hypothesis derandomizes under a CI environment variable; campaigns must not inherit
+    it (under CI=true every batch once replayed the same examples: evictions only)."""
+    settings.register_profile("hiradix-derandomized", derandomize=True)
+    settings.load_profile("hiradix-derandomized")
+    try:
+        assert cli.main(["check", "--engine", "ours", "--examples", "12",
+                         "--database", "none"]) == 0
+    finally:
+        settings.load_profile(os.environ.get("HIRADIX_PROFILE", "dev"))
+    operations = next(line for line in capsys.readouterr().out.splitlines()
+                      if line.startswith("operations: "))
+    assert "insert=" in operations and "match_prefix=" in operations, operations
