@@ -54,11 +54,14 @@ def test_unified_radix_cache_refines_the_model(scenario: Scenario) -> None:
 
 
 def test_the_campaign_reaches_loads_backups_and_both_evictions() -> None:
-    """A differential run that never loads, backs up or evicts would pass vacuously."""
+    """A differential run that never loads, backs up or evicts would pass vacuously.
+    Random examples even where CI=true makes Hypothesis derandomize: its one fixed set of
+    40 examples held a single load and no load acknowledged."""
     tally = Tally()
     scenario = Scenario(page_size=1, eviction="lru")
     run_state_machine_as_test(make_differential(factory(ENGINE, scenario), tally),
-                              settings=settings(bounded(), max_examples=40))
+                              settings=settings(bounded(), max_examples=40,
+                                                derandomize=False))
     for op in ("init_load_back", "loading_check", "writing_check", "evict", "evict_host",
                "insert", "dec_lock_ref"):
         assert tally.ops[op] > 0, f"no {op} in {dict(tally.ops)}"
