@@ -286,3 +286,27 @@ def test_dev_s27_an_abort_keeps_the_loaded_tokens_on_0_5_20(state: Any) -> None:
     assert state.engine.loaded_tokens() == {"r0": 3}
     state.engine.release_aborted_request("r0")
     assert state.engine.loaded_tokens() == ({"r0": 3} if state.engine.v20 else {})
+
+
+def test_dev_s17_a_prefetch_run_inherits_the_page_it_lands_under(state: Any) -> None:
+    """DEV-S17: r0 prefetches (1, 2, 3) with nothing cached, so the run would hang under
+    the root (priority 1, the largest inserted). Before it lands, (1,) is served again
+    at priority 0 and backed up: the landing walk stops under it and the pages below
+    take its priority, 0, not the root's (the CI campaign of 0.5.20 found this)."""
+    state.request((1, 2, 3), None, 0, False, 1, False)
+    for step in (state.writing_check, state.backup, state.drain):
+        step()
+    state.evict_both(24)
+    state.evict_host(24)
+    state.engine_refines_the_model()
+    assert not state.model.pages and state.engine.root_priority() == 1
+    state.prefetch("r0", 0, 0)
+    assert state.storage().prefetch_of("r0").anchor is None
+    state.request((1,), None, 0, False, 0, False)
+    for step in (state.writing_check, state.backup, state.drain):
+        step()
+        state.engine_refines_the_model()
+    state.progress("r0", 0)
+    state.engine_refines_the_model()
+    landed = [Key((1, 2, 3)[:n], None) for n in (2, 3)]
+    assert [state.model.pages[k].priority for k in landed] == [0, 0]

@@ -38,6 +38,7 @@ from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.sglang_storage_machine import REQUESTS, settings_strategy
 from hiradix.conformance.tally import Tally
 from hiradix_model import Key, State, StorageSettings, ops
+from hiradix_model.keys import parent_page
 
 # The HiRadixCache storage machine's members that see SGLang through the adapter only.
 _SHARED = ("sstep", "storage", "attached", "anchor_and_tokens", "protect", "prefetch_key",
@@ -262,18 +263,23 @@ def make_machine(engine: str, scenario: Scenario,
             self.protect(anchor, -1)
 
         def end_prefetch(self, request: str) -> bool:
-            """The model's ``check_prefetch_progress``. Pages it hangs under the root
-            take the root's priority, as SGLang's do (DEV-S17, UnifiedRadixCache form)."""
+            """The model's ``check_prefetch_progress``. A run of new pages hung under the
+            root takes the root's priority, as SGLang's do (DEV-S17, UnifiedRadixCache
+            form); a run hung under a cached page inherits that page's priority, in both
+            (the walk can reach a page cached since the prefetch was issued)."""
             p = self.storage().prefetch_of(request)
             cached = set(self.model.pages)
             ended = bool(self.sstep("check_prefetch_progress", ops.check_prefetch_progress,
                                    request, self.now))
-            if ended and p is not None and p.anchor is None:
+            if not ended or p is None:
+                return ended
+            new = [k for k in p.pages if k in self.model.pages and k not in cached]
+            if new and parent_page(new[0], self.model.config.page_size) is None:
                 priority = self.engine.root_priority()
                 pages = self.model.pages
                 self.model = dataclasses.replace(self.model, pages={
                     **pages, **{k: dataclasses.replace(pages[k], priority=priority)
-                                for k in p.pages if k in pages and k not in cached}})
+                                for k in new}})
             return ended
 
         def restart(self, request: str, tick: int) -> None:

@@ -345,7 +345,7 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
         return tuple(k for n in reversed(nodes) for k in self._page_keys(n))
 
     def root_priority(self) -> int:
-        """The priority a node hung under the root inherits (DEV-S17, 0.5.23 form): the
+        """The priority a node hung under the root inherits (DEV-S17, UnifiedRadixCache form): the
         largest inserted since the reset, or the reset's sentinel, read as 0."""
         priority = int(self.cache.root_node.priority)
         return 0 if priority == -sys.maxsize else priority
