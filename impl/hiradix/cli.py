@@ -108,7 +108,8 @@ def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled"
                   "state.refines_the_model()"]
     elif engine in OWN_MACHINES:
         header = ["from hiradix.conformance.scenario import Scenario",
-                  f"from {OWN_MACHINES[engine]} import make_machine", "",
+                  f"from {OWN_MACHINES[engine]} import make_machine",
+                  "from hiradix_model import StorageSettings", "",
                   f"Machine = make_machine({engine!r}, {scenario!r})", "state = Machine()",
                   "state.engine_refines_the_model()"]
     else:

@@ -310,3 +310,18 @@ def test_dev_s17_a_prefetch_run_inherits_the_page_it_lands_under(state: Any) -> 
     state.engine_refines_the_model()
     landed = [Key((1, 2, 3)[:n], None) for n in (2, 3)]
     assert [state.model.pages[k].priority for k in landed] == [0, 0]
+
+
+def test_a_reproducer_replays_an_attach(capsys: pytest.CaptureFixture[str]) -> None:
+    """The attach rule takes its settings as a value (not ``st.data()``, which prints as
+    ``data(...)``): the reproducer `hiradix check` writes runs as printed."""
+    from hiradix import cli
+    wanted = StorageSettings(prefetch_threshold=2, prefetch_policy="wait_complete",
+                             prefetch_token_limit=NO_LIMIT)
+    steps = [f"state.attach_rule(go=0, settings={wanted!r})",
+             "state.engine_refines_the_model()"]
+    namespace: dict[str, Any] = {}
+    exec(compile(cli.reproducer(Scenario(page_size=2), steps, ENGINE), "reproducer", "exec"),
+         namespace)
+    assert namespace["state"].model.storage.settings == wanted
+    assert capsys.readouterr().out.strip().endswith("no failure reproduced")

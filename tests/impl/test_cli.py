@@ -197,3 +197,18 @@ def test_a_derandomizing_profile_does_not_reach_the_campaign(
     operations = next(line for line in capsys.readouterr().out.splitlines()
                       if line.startswith("operations: "))
     assert "insert=" in operations and "match_prefix=" in operations, operations
+
+
+def test_a_reproducer_replays_a_fault_injection_step(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Rules take plain values (no ``st.data()``, which prints as ``data(...)``): a
+    reproducer with an injected fault runs as written, and the fault is queued."""
+    from hiradix.conformance.scenario import Scenario
+    scenario = Scenario(page_size=2, storage="memory")  # type: ignore[arg-type]
+    steps = ["state.inject(at_page=1, go=0, kind=1, operation='get')",
+             "state.refines_the_model()"]
+    namespace: dict[str, object] = {}
+    exec(compile(cli.reproducer(scenario, steps, "controlled"), "reproducer", "exec"),
+         namespace)
+    assert namespace["state"].backend.queued_faults("get") == 1  # type: ignore[attr-defined]
+    assert capsys.readouterr().out.strip().endswith("no failure reproduced")

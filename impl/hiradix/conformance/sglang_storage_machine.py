@@ -180,13 +180,13 @@ def make_machine(engine: str, scenario: Scenario,
 
         # -- storage rules ------------------------------------------------------------
 
-        @rule(settings=st.data(), go=st.integers(0, 3))
-        def attach_rule(self, settings: st.DataObject, go: int) -> None:
+        @rule(settings=settings_strategy(scenario.page_size), go=st.integers(0, 3))
+        def attach_rule(self, settings: StorageSettings, go: int) -> None:
             if go or (not self.attached() and self.model.pages):
                 # DEV-S16: pages cached while detached have no storage hash; SGLang
                 # would store their children under the wrong names.
                 return
-            self.attach(settings.draw(settings_strategy(scenario.page_size)), 0)
+            self.attach(settings, 0)
 
         def attach(self, settings: StorageSettings, go: int) -> None:
             got = self.engine.attach(settings)

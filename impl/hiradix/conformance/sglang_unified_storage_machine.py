@@ -76,11 +76,11 @@ def make_machine(engine: str, scenario: Scenario,
                                     prefetch_token_limit=NO_LIMIT)
             self.attach(first, 0)
 
-        @rule(settings=st.data(), go=st.integers(0, 3))
-        def attach_rule(self, settings: st.DataObject, go: int) -> None:
+        @rule(settings=unified_settings(scenario.page_size), go=st.integers(0, 3))
+        def attach_rule(self, settings: StorageSettings, go: int) -> None:
             if go:
                 return  # no DEV-S16 here: attach backfills the hashes of cached nodes
-            self.attach(settings.draw(unified_settings(scenario.page_size)), 0)
+            self.attach(settings, 0)
 
         @precondition(lambda self: self.attached())
         @rule(go=st.integers(0, 7), drain_first=st.booleans())
