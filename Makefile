@@ -14,12 +14,19 @@ $(BIN)/python:
 # wheel of torch 2.13.0 lies on disk (pip's find-links), pip takes it and the index is only
 # asked. For a GPU: install the CUDA build of torch into the venv first (README), or set
 # TORCH_INDEX=https://download.pytorch.org/whl/cu128; a venv whose torch imports is kept.
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# Where that wheel lies on disk it is installed without asking the index at all, then its
+# dependencies from the default index: an unreachable extra index costs pip five retries per
+# dependency, minutes per venv.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(TORCH_CPU_INDEX)
 TORCH_PIN ?= torch==2.13.0
-INSTALL_TORCH = pip install -q $(TORCH_PIN) --extra-index-url $(TORCH_INDEX)
+# $(call install_torch,BIN): torch's build into the venv of BIN
+install_torch = { $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),{ $(1)/pip install -q --no-deps \
+	--no-index $(TORCH_PIN) 2>/dev/null && $(1)/pip install -q $(TORCH_PIN); } ||) \
+	$(1)/pip install -q $(TORCH_PIN) --extra-index-url $(TORCH_INDEX); }
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/$(INSTALL_TORCH)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(call install_torch,$(BIN))
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
@@ -63,7 +70,7 @@ SGL23_DEPS := orjson psutil pybase64 requests packaging msgspec triton pillow st
 # $(call engine_venv,VENV,DEPS,PIP SPEC,IMPORT CHECK)
 define engine_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-	$(1)/bin/python -c "import torch" 2>/dev/null || $(1)/bin/$(INSTALL_TORCH)
+	$(1)/bin/python -c "import torch" 2>/dev/null || $(call install_torch,$(1)/bin)
 	$(1)/bin/pip install -q numpy $(2)
 	$(1)/bin/pip install -q --no-deps $(3)
 	$(1)/bin/pip install -q -e '.[test]'
@@ -105,7 +112,7 @@ VLLM_IMPORTS := import vllm.v1.core.block_pool, vllm.v1.core.kv_cache_manager, \
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(VLLM_BIN)/$(INSTALL_TORCH)
+	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(call install_torch,$(VLLM_BIN))
 	$(VLLM_BIN)/pip install -q --no-deps vllm==0.33.0
 	$(VLLM_BIN)/pip install -q $(VLLM_DEPS)
 	$(VLLM_BIN)/pip install -q --no-deps xgrammar==0.2.8
@@ -122,7 +129,7 @@ wheel-check: setup
 	rm -rf build dist $(WHEEL_VENV)
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
 	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/$(INSTALL_TORCH)
+	$(call install_torch,$(WHEEL_VENV)/bin)
 	$(WHEEL_VENV)/bin/pip install -q dist/hiradix-*.whl
 	cd "$$(mktemp -d)" && $(CURDIR)/$(WHEEL_VENV)/bin/python -c \
 	    "import hiradix, hiradix_model; assert 'site-packages' in hiradix.__file__; print('installed: hiradix', hiradix.__version__, 'at', hiradix.__file__)" \
