@@ -35,6 +35,8 @@ from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
 from hiradix.conformance.plots import PlotsUnavailable, pyplot, write_check_report
+from hiradix.conformance.rank_campaign import describe, failure_report, run_rank_campaign
+from hiradix.conformance.ranks import RANK_INVARIANTS
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.show import show_main
 from hiradix.conformance.storage_machine import STORAGE_SWARM_RULES, make_storage_machine
@@ -46,6 +48,10 @@ DEFAULT_PAGE_SIZES = (1, 2, 4, 16)
 
 
 COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance machine
+# The share of a controlled campaign's budget its rank campaign takes (spec/12 12.7), and
+# its runs per example under --examples. A lockstep run of 60 steps takes about 0.1 s.
+RANK_SHARE = 0.1
+EXAMPLES_PER_RANK_RUN = 50
 
 
 # Engines whose API needs a machine of its own (vLLM's request-level allocate/free;
@@ -169,8 +175,10 @@ def run(args: argparse.Namespace) -> int:
     # --seconds bounds the whole run, shrinking included: no example begins after the
     # deadline (Tally.begin_example raises TimeUp), and a failure whose shrinking was cut
     # short is replayed from the database as far as it got.
+    ranks = args.engine == "controlled"
+    machine_seconds = args.seconds * (1 - RANK_SHARE) if ranks else args.seconds
     if args.examples is None:
-        tally.deadline = started + args.seconds
+        tally.deadline = started + machine_seconds
     # The example database pytest uses too (.hypothesis/examples under the working
     # directory, by default): a failure found once by either replays first in both.
     # 'none': one in memory, for this run's replay of a failure cut short.
@@ -186,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         elapsed = time.monotonic() - started
         if args.examples is not None and tally.examples >= args.examples:
             break
-        if args.examples is None and elapsed >= args.seconds:
+        if args.examples is None and elapsed >= machine_seconds:
             break
         scenario = scenarios[index % len(scenarios)]
         machine = machine_for(args.engine, scenario, tally)
@@ -221,9 +229,24 @@ def run(args: argparse.Namespace) -> int:
         done = (tally.examples / args.examples if args.examples is not None
                 else (time.monotonic() - started) / args.seconds)
         _progress(done, tally)
+    campaign = None
+    if ranks:
+        # Drawn from --seed where given, so that a seeded campaign replays.
+        rng = random.Random(args.seed if args.seed is not None else random.getrandbits(64))
+        campaign = (run_rank_campaign(rng, until=started + args.seconds)
+                    if args.examples is None else
+                    run_rank_campaign(rng, runs=max(1, args.examples // EXAMPLES_PER_RANK_RUN)))
+        if campaign.failed is not None:
+            if sys.stderr.isatty():
+                print(file=sys.stderr)
+            print(failure_report(campaign), flush=True)
+            return 1
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary(tally, covered, len(scenarios), time.monotonic() - started, args.engine)
+    print(describe(campaign) if campaign is not None else
+          f"ranks: not run for engine {args.engine} ({', '.join(RANK_INVARIANTS)} "
+          "not exercised)", flush=True)
     missed = unreached(tally, covered, args.engine)
     if tally.examples and not any(tally.exercised.values()):
         # A campaign in which no invariant had anything to check has checked nothing.

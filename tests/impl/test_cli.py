@@ -212,3 +212,27 @@ def test_a_reproducer_replays_a_fault_injection_step(
          namespace)
     assert namespace["state"].backend.queued_faults("get") == 1  # type: ignore[attr-defined]
     assert capsys.readouterr().out.strip().endswith("no failure reproduced")
+
+
+def test_the_main_job_runs_ranks_and_fails_on_ranks_that_decide_alone(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """spec/12 12.7: the controlled campaign runs ranks in lockstep and reports them; with
+    every rank deciding alone (no consensus), it fails naming the rank invariant and prints
+    a replayable run."""
+    from hiradix.conformance import rank_campaign
+    from hiradix.conformance.ranks import RankRun, Skew
+    from hiradix.distributed import LocalRanks, LocalSync
+
+    healthy = _campaign(["--seed", "1"], capsys)
+    assert any(line.startswith("ranks: 1 lockstep runs") and "INV-RANKS-CONSENSUS" in line
+               for line in healthy), healthy
+    run = RankRun(2, Skew(fuller_pool=1, slow_copies=0, storage_misses=1, slow_io=0),
+                  seed=7, steps=200)
+    monkeypatch.setattr(rank_campaign, "draw_rank_run", lambda rng: run)
+    monkeypatch.setattr(LocalRanks, "sync", lambda self, rank: LocalSync())
+    assert cli.main(["check", "--examples", "2", "--steps", "5", "--database", "none"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED on rank run {run!r}" in out and "rank 0: RankFailure" in out, out
+    assert "INV-RANKS-CONSENSUS" in out, out  # each rank kept its own proposal
+    exec(compile(out.split("Reproducer:\n")[1], "reproducer", "exec"), {})
+    assert "0 RankFailure" in capsys.readouterr().out  # the printed run replays the failure

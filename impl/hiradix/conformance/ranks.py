@@ -396,6 +396,35 @@ def run_local(world: int, skew: Skew, seed: int, steps: int, *,
             for i, r in enumerate(reports)]
 
 
+RANK_INVARIANTS = ("INV-RANKS-AGREE", "INV-RANKS-COLLECTIVES", "INV-RANKS-CONSENSUS")
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One lockstep run of the main job's rank campaign; its repr replays it."""
+
+    world: int
+    skew: Skew
+    seed: int
+    steps: int = 60
+
+    def run(self) -> list[RankReport]:
+        return run_local(self.world, self.skew, self.seed, self.steps)
+
+
+def draw_rank_run(rng: random.Random) -> RankRun:
+    """A world of 2 to 4 ranks with every skew of ``Skew`` given to some rank (several
+    to one rank where the world is small) and the run's policies, as
+    ``test_local_ranks_agree_under_any_skew`` draws them."""
+    world = rng.choice((2, 3, 4))
+    fuller, slow, misses, io = (role % world for role in rng.sample(range(4), 4))
+    return RankRun(world, Skew(fuller_pool=fuller, slow_copies=slow, storage_misses=misses,
+                               slow_io=io,
+                               prefetch_policy=rng.choice(("best_effort", "wait_complete")),
+                               write_policy=rng.choice(("write_through", "write_back"))),
+                   seed=rng.randrange(1_000_000))
+
+
 # ------------------------------------------------------------------ across processes
 
 
