@@ -325,3 +325,22 @@ def test_a_reproducer_replays_an_attach(capsys: pytest.CaptureFixture[str]) -> N
          namespace)
     assert namespace["state"].model.storage.settings == wanted
     assert capsys.readouterr().out.strip().endswith("no failure reproduced")
+
+
+def test_dev_s28_0_5_23_makes_a_landed_page_the_host_copy_of_a_device_only_one(
+        state: Any) -> None:
+    """DEV-S28: r0 prefetches (5,); before it lands, (5,) is computed again and cached on
+    device only (a chunked insert, no backup). When the fetch lands, 0.5.23 (write-through)
+    makes the fetched slot that page's host copy; 0.5.20, like the spec (S-R4), frees it.
+    The campaign aborts such a prefetch before the drain on 0.5.23."""
+    prefetched(state, (5,))
+    state.request((5,), None, 0, True, 0, False)
+    state.engine_refines_the_model()
+    engine = state.engine
+    assert state.hung_on_the_walk() == ([] if engine.v20 else ["r0"])
+    (slot,) = engine.prefetches()["r0"].reserved
+    engine.pump_fetch()
+    engine.drain()
+    assert engine.check_prefetch_progress("r0")
+    page = engine.observe(state.model).pages[Key((5,), None)]
+    assert page.host == (None if engine.v20 else (slot,))

@@ -197,14 +197,24 @@ def make_machine(engine: str, scenario: Scenario,
                 assert not self.sstep("io_prefetch_query", ops.io_prefetch_query, request,
                                       pages)
 
+        def hung_on_the_walk(self) -> list[str]:
+            """DEV-S5's prefetches; on 0.5.23 under the write-through policies also those
+            whose last page is cached without a host copy: 0.5.23 makes the fetched
+            slots that page's host copy, the spec frees them (DEV-S28)."""
+            if self.engine.v20 or self.model.config.write_policy == "write_back":
+                return shared["hung_below_device_only"](self)  # type: ignore[no-any-return]
+            pages = self.model.pages
+            return [request for request, view in self.engine.prefetches().items()
+                    if any(k in pages and pages[k].host is None for k in view.pages)]
+
         @precondition(lambda self: self.attached() and self.drainable())
         @rule()
         def drain(self) -> None:
             """What a scheduler pass does: the transfers run (after the DEV-S5 aborts),
             every control queue is drained, the prefetches whose transfer finished end."""
-            hung = self.hung_below_device_only()
+            hung = self.hung_on_the_walk()
             counts.ops["prefetch aborted before the drain: its pages run below a "
-                       "device-only page (DEV-S5)"] += len(hung)
+                       "device-only page, or (0.5.23) end on one (DEV-S5, DEV-S28)"] += len(hung)
             for request in hung:
                 self.abort(request)
                 self.engine_refines_the_model()
