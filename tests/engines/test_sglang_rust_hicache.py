@@ -47,8 +47,13 @@ def without_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SglangRustHicacheAdapter, "_reference", lambda self, scenario: None)
 
 
-SCENARIOS = [Scenario(page_size=ps, eviction="fifo", kv_layout=kv)  # type: ignore[arg-type]
-             for ps, kv in [(1, "mha"), (2, "mla"), (4, "mha")]]
+# The hidden fields come from the host reference core (spec/07r DEV-R1), so
+# recency-ranked strategies run too; p2/priority on MLA is where the bounded run stopped
+# before the reference (spec/07r, "The host tier's priority findings").
+SCENARIOS = [Scenario(page_size=ps, eviction=strategy, kv_layout=kv)  # type: ignore[arg-type]
+             for ps, strategy, kv in [(1, "lru", "mha"), (2, "priority", "mla"),
+                                      (4, "fifo", "mha"), (2, "lfu", "mla"),
+                                      (1, "mru", "mha")]]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.slug())
