@@ -23,6 +23,7 @@ from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import describe_difference
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Key, State
+from hiradix_model.errors import IllegalChoice
 
 ENGINE = "sglang-unified-rust-hicache"
 
@@ -38,11 +39,21 @@ def rust_tree_core() -> None:
     probe(ENGINE)  # EngineUnavailable here is a broken environment: the test fails
 
 
-# FIFO only: the host-tier engine has no reference core, so a recency-ranked strategy can
-# report DEV-1 choices (spec/07r DEV-R1); priority breaks its ties by recency, and its
-# page-size-2 host-eviction findings are open (spec/07r, "Open on the host tier").
-SCENARIOS = [Scenario(page_size=ps, eviction="fifo", kv_layout=kv)  # type: ignore[arg-type]
-             for ps, kv in [(1, "mha"), (2, "mla"), (4, "mha")]]
+@pytest.fixture
+def without_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter without its Python reference core: the hidden fields (DEV-R1) are the
+    model's, and nothing is adopted."""
+    from hiradix.conformance.adapters.sglang_rust_hicache import SglangRustHicacheAdapter
+    monkeypatch.setattr(SglangRustHicacheAdapter, "_reference", lambda self, scenario: None)
+
+
+# The hidden fields come from the host reference core (spec/07r DEV-R1), so
+# recency-ranked strategies run too; p2/priority on MLA is where the bounded run stopped
+# before the reference (spec/07r, "The host tier's priority findings").
+SCENARIOS = [Scenario(page_size=ps, eviction=strategy, kv_layout=kv)  # type: ignore[arg-type]
+             for ps, strategy, kv in [(1, "lru", "mha"), (2, "priority", "mla"),
+                                      (4, "fifo", "mha"), (2, "lfu", "mla"),
+                                      (1, "mru", "mha")]]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.slug())
@@ -144,3 +155,109 @@ def test_host_protect_is_declared_unobservable() -> None:
     shifted = replace(machine.model, pages=pages)
     assert adapter.observe(shifted) == shifted
     machine.teardown()
+
+
+def test_hidden_fields_come_from_the_host_reference_core_not_the_model() -> None:
+    """spec/07r DEV-R1 on the host tier: hits, ticks and priority are the Python
+    reference core's (given the same calls, host tier included), not the model's."""
+    machine = _cycled()
+    adapter = machine.engine
+    assert adapter.reference is not None and "last_tick" in adapter.adopted
+    pages = {k: replace(p, hits=p.hits + 5, last_tick=p.last_tick + 5, priority=7)
+             for k, p in machine.model.pages.items()}
+    shifted = replace(machine.model, pages=pages)
+    assert adapter.observe(shifted) == machine.model != shifted
+    machine.teardown()
+
+
+def test_a_rust_core_that_parts_from_its_host_reference_is_caught() -> None:
+    """A host eviction the reference core did not make: the two trees' host slots
+    differ, and observe refuses (Parted)."""
+    from hiradix.conformance.adapters.sglang_rust_reference import Parted
+    machine = _cycled()
+    adapter = machine.engine
+    assert adapter.cache.evict_host(2) > 0
+    with pytest.raises(Parted, match="host slots"):
+        adapter.observe(machine.model)
+    machine.teardown()
+
+
+# spec/07r "The host tier's priority findings": a random p2/priority (MLA) campaign's
+# example, shrunk by removing steps. The last request's backup makes room on the host;
+# SGLang's host eviction takes one node's pages, which the model, under its own stamps,
+# cannot order as the strategy ranks them: the first is not a leaf then, or ranks above
+# a leaf (one more load back). DEV-1 seen through DEV-R1.
+def _host_victim_steps(extra_load: bool) -> list[tuple[str, dict[str, Any]]]:
+    loads = [("load_back", dict(index=61))] if extra_load else []
+    return [
+        ("request", dict(chunked=False, dt=0, keep_lock=False, namespace="b", priority=0,
+                         tokens=(3, 3, 3, 3, 2, 3, 1, 1, 3, 1))),
+        ("reset", dict(go=0)),
+        ("request", dict(chunked=True, dt=2, keep_lock=True, namespace=None, priority=2,
+                         tokens=(2, 2, 1, 2, 2))),
+        ("request_again", dict(evict_first=12, index=17)),
+        ("request_again", dict(evict_first=7, index=26)),
+        ("writing_check", dict()),
+        ("request", dict(chunked=True, dt=0, keep_lock=False, namespace=None, priority=2,
+                         tokens=(3, 2))),
+        ("request", dict(chunked=True, dt=0, keep_lock=True, namespace=None, priority=0,
+                         tokens=(2,))),
+        *loads,
+        ("load_back", dict(index=42)),
+        ("loading_check", dict()),
+        ("request", dict(chunked=True, dt=0, keep_lock=False, namespace="b", priority=0,
+                         tokens=(1, 3, 3, 3, 2, 2, 3, 1, 2, 1, 1, 2, 2, 2))),
+        ("request", dict(chunked=False, dt=0, keep_lock=False, namespace="b", priority=2,
+                         tokens=(1, 2, 3, 2, 1))),
+        ("request_again", dict(evict_first=3, index=50))]
+
+
+HOST_VICTIM_FINDINGS = {
+    "not-a-leaf": (False, r"backup\.host_victims\[0\]: Key\(tokens=\(3, 3\), "
+                          r"namespace='b'\) is not an evictable leaf"),
+    "rank": (True, r"backup\.host_victims\[0\]: Key\(tokens=\(3, 3, 3, 3, 2, 3, 1, 1, 3, 1\), "
+                   r"namespace='b'\) ranks \(0, 8\) but a leaf ranks \(0, 6\)"),
+}
+P2_PRIORITY_MLA = Scenario(page_size=2, eviction="priority", kv_layout="mla")
+
+
+def _run_steps(engine: str, steps: list[tuple[str, dict[str, Any]]]) -> Any:
+    machine = make_differential(factory(engine, P2_PRIORITY_MLA))()
+    machine.engine_refines_the_model()
+    try:
+        for rule, args in steps:
+            getattr(machine, rule)(**args)
+            machine.engine_refines_the_model()
+    finally:
+        machine.teardown()
+    return machine
+
+
+@pytest.mark.usefixtures("without_reference")
+@pytest.mark.parametrize("finding", HOST_VICTIM_FINDINGS)
+def test_dev_r1_p2_priority_host_victims_diverge_without_the_reference(finding: str) -> None:
+    """Without the reference core the stamps are the model's, and the backup's host
+    victims are reported, as the bounded run reported them before the reference."""
+    extra_load, message = HOST_VICTIM_FINDINGS[finding]
+    with pytest.raises(IllegalChoice, match=message):
+        _run_steps(ENGINE, _host_victim_steps(extra_load))
+
+
+@pytest.mark.parametrize("finding", HOST_VICTIM_FINDINGS)
+def test_dev_r1_p2_priority_host_victims_agree_with_the_reference(finding: str) -> None:
+    """With the stamps the Python reference core gave the same pages (it held the same
+    pages, device and host slots and locks after every step), the host eviction, which
+    takes the deepest page of namespace b, is one the model allows."""
+    machine = _run_steps(ENGINE, _host_victim_steps(HOST_VICTIM_FINDINGS[finding][0]))
+    victims = [k for step in machine.trace if step.op == "insert" and step.args["backup"]
+               for k in step.args["backup"]["host_victims"]]  # type: ignore[index]
+    deepest = {"tokens": [3, 3, 3, 3, 2, 3, 1, 1, 3, 1], "namespace": "b"}
+    assert deepest in victims, victims
+
+
+@pytest.mark.parametrize("finding", HOST_VICTIM_FINDINGS)
+def test_dev_r1_p2_priority_host_victims_the_python_core_agrees(finding: str) -> None:
+    """The same steps on the Python tree core (engine sglang-unified, which reads the
+    stamps) agree with the model: the findings are DEV-1 seen through DEV-R1, not a
+    Rust-core difference."""
+    _run_steps("sglang-unified", _host_victim_steps(HOST_VICTIM_FINDINGS[finding][0]))

@@ -69,7 +69,7 @@ adapter's ``unobservable``) cannot be read from the Rust core. ``observe`` there
    (``sglang_rust_reference``: a Python-core cache given every call the Rust core gets,
    checked to answer alike and to hold the same pages, slots, locks and totals, or
    ``Parted``), adopting its recency as the Python-core adapter does (DEV-1, DEV-21);
-   without a reference (``_reference`` returns None: the host-tier subclass, tests),
+   without a reference (``_reference`` returns None: tests),
    from the model's page of the same key (zero for a page the model lacks, which the
    comparison then reports anyway).
 
@@ -375,7 +375,8 @@ class SglangRustAdapter:
         slots = self.core.collect_full_device_indices(got.last_device_node, root)
         assert len(slots) == got.device_prefix_len, (len(slots), got.device_prefix_len)
         if self.reference is not None:
-            self.reference.agree(f"match_prefix({key}) device prefix", got.device_prefix_len,
+            self.reference.agree(f"match_prefix({key}) device prefix, host hit",
+                                 (int(got.device_prefix_len), int(got.host_hit_length)),
                                  self.reference.match_prefix(key))
         last = None
         if got.device_prefix_len:
@@ -542,13 +543,17 @@ class SglangRustAdapter:
         if self.reference is None:
             return {}
         ref = self.reference.pages()
-        self.reference.agree("pages (device slots, lock)",
-                             {k: (d, lock) for k, (d, _, lock) in read.items()},
-                             {k: (d, lock) for k, (d, lock, _) in ref.items()})
-        self.reference.agree("evictable, protected, free", (
-            int(self.cache.evictable_size()), int(self.cache.protected_size()),
-            int(self.allocator.available_size())), self.reference.totals())
-        return {k: s for k, (_, _, s) in ref.items()}
+        self.reference.agree("pages (device slots, host slots, lock)", dict(read),
+                             {k: (d, h, lock) for k, (d, h, lock, _) in ref.items()})
+        self.reference.agree("evictable, protected, free", self._totals(),
+                             self.reference.totals())
+        return {k: s for k, (_, _, _, s) in ref.items()}
+
+    def _totals(self) -> tuple[int, ...]:
+        """What ``PythonReference.totals`` gives: evictable and protected tokens, free
+        device slots."""
+        return (int(self.cache.evictable_size()), int(self.cache.protected_size()),
+                int(self.allocator.available_size()))
 
     def _audit(self, nodes: dict[int, _Node], owned: set[int],
                device_free: frozenset[int]) -> None:

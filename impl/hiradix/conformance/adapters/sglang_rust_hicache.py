@@ -27,16 +27,18 @@ KV bytes on the host             the host pool's buffers (Python)
 Mapped as on the Python core: DEV-7 (one lock per backed-up node folded into one per
 run), DEV-23 (``last_host_node`` is the best match), DEV-26 (``flush_pending_backups``
 after insert), the scheduler's ``ready_to_load_host_cache`` after a queued load.
-Unobservable, filled from the model's page of the same key: ``hits``, ``last_tick``,
-``insert_tick``, ``priority`` (DEV-R1) and ``host_protect`` (DEV-R3). So a load's host
-protection (DEV-5/DEV-22) is seen only through its consequences: what ``evict_host``
-may take while a load is in flight.
+Unobservable: ``hits``, ``last_tick``, ``insert_tick``, ``priority`` (DEV-R1), read off
+a Python reference core with HiCache given the same calls, host tier included
+(``sglang_rust_reference.HostReference``; ``Parted`` where the two cores answer a call
+differently or hold other pages, device or host slots, locks or totals), as the
+device-tier adapter reads them; and ``host_protect`` (DEV-R3), filled from the model's
+page of the same key. So a load's host protection (DEV-5/DEV-22) is seen only through
+its consequences: what ``evict_host`` may take while a load is in flight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -60,7 +62,8 @@ from hiradix.conformance.adapters.sglang_rust import (
     _Node,
 )
 from hiradix.conformance.adapters.sglang_rust import probe as probe_rust
-from hiradix.conformance.adapters.sglang_unified import build
+from hiradix.conformance.adapters.sglang_rust_reference import HostReference
+from hiradix.conformance.adapters.sglang_unified import build, load_back_params
 from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State, Transfer, ops
 
@@ -108,10 +111,9 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
         self.loads: dict[int, tuple[int, tuple[Key, ...]]] = {}  # ack -> (seq, pages)
         self.issued = 0
 
-    def _reference(self, scenario: Scenario) -> None:
-        """No reference core on the host tier yet (spec/07r): the hidden fields are the
-        model's."""
-        return None
+    def _reference(self, scenario: Scenario) -> HostReference:
+        """The Python core with HiCache given the same calls (``HostReference``)."""
+        return HostReference(self.env, scenario)
 
     def _build(self, scenario: Scenario) -> None:
         built = build(self.env, scenario, "rust")
@@ -156,6 +158,10 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
         host = int(got.last_host_node)
         while host in nodes and nodes[host].host is None:
             host = nodes[host].parent
+        if self.reference is not None:
+            self.reference.agree(f"match_prefix({key}) device prefix, host hit",
+                                 (int(got.device_prefix_len), int(got.host_hit_length)),
+                                 self.reference.match_prefix(key))
         return ops.MatchResult(self._from_engine(slots), self._page_at(nodes, got.last_device_node),
                                self._page_at(nodes, host), int(got.host_hit_length))
 
@@ -181,14 +187,36 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
         return prefix
 
     def evict_host(self, num_tokens: int) -> int:
-        return int(self.cache.evict_host(num_tokens))
+        freed = int(self.cache.evict_host(num_tokens))
+        if self.reference is not None:
+            self.reference.agree(f"evict_host({num_tokens})", freed,
+                                 self.reference.evict_host(num_tokens))
+        return freed
 
     # Page-level bookkeeping of copies in flight, the HiRadixCache adapter's: it reads the
     # cache's ack dictionaries and the recorded runs and loads, no node.
     _pending_writes = SglangAdapter._pending_writes
-    writing_check = SglangAdapter.writing_check
-    loading_check = SglangAdapter.loading_check
     _in_flight = SglangAdapter._in_flight
+
+    def writing_check(self) -> int:
+        acked = SglangAdapter.writing_check(self)
+        if self.reference is not None:
+            self._agree_in_flight("writing_check", self.cache.ongoing_write_through,
+                                  self.reference.writing_check)
+        return acked
+
+    def loading_check(self) -> int:
+        done = SglangAdapter.loading_check(self)
+        if self.reference is not None:
+            self._agree_in_flight("loading_check", self.cache.ongoing_load_back,
+                                  self.reference.loading_check)
+        return done
+
+    def _agree_in_flight(self, check: str, ongoing: Mapping[int, Any],
+                         mirrored: Callable[[], int]) -> None:
+        """The same check on the reference leaves as many copies in flight."""
+        assert self.reference is not None
+        self.reference.agree(f"{check}: copies in flight after it", len(ongoing), mirrored())
 
     def init_load_back(self, page: Key | None,
                        quota: int | None) -> tuple[tuple[int, ...], Key | None]:
@@ -200,12 +228,8 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
             chain.insert(0, cursor)
             cursor = nodes[cursor].parent
         host_hit = sum(nodes[h].end - nodes[h].start for h in chain)
-        # What init_load_back reads of the request: the device node its match ended at,
-        # and no SWA / Mamba host hits (FULL is the only component).
-        req = SimpleNamespace(rid="hiradix", last_node=cursor, swa_host_hit_length=0,
-                              mamba_host_hit_length=0, kv=SimpleNamespace(mamba_pool_idx=None))
-        got, last = self.cache.init_load_back(self.env.modules["base"].InitLoadBackParams(
-            best_match_node=handle, host_hit_length=host_hit, mem_quota=quota, req=req))
+        got, last = self.cache.init_load_back(load_back_params(self.env, handle, cursor,
+                                                               host_hit, quota))
         loaded: tuple[int, ...] = ()
         if handle in self.cache.ongoing_load_back:
             # SGLang queues a load and starts it when the scheduler says the batch is
@@ -220,7 +244,11 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
             if len(loaded) != got:
                 raise AssertionError(f"{self.name}: init_load_back reported {got} tokens "
                                      f"loaded, the chain holds {len(loaded)}")
-        return loaded, self._page_at(self._scan(), int(last))
+        end = self._page_at(self._scan(), int(last))
+        if self.reference is not None:
+            self.reference.agree(f"init_load_back({page}, {quota}): tokens loaded, last page",
+                                 (int(got), end), self.reference.init_load_back(page, quota))
+        return loaded, end
 
     def reset(self) -> None:
         super().reset()
@@ -246,13 +274,15 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
     def observe(self, model: State) -> State:
         nodes = self._scan()
         read = self._pages(nodes)
+        stamps = self._stamps(read)
         pages: dict[Key, Page] = {}
         for key, (device, host, lock) in read.items():
-            known = model.pages.get(key) or Page(None, None)
+            model_page = model.pages.get(key) or Page(None, None)
+            known = stamps.get(key) or model_page
             pages[key] = Page(
                 device=None if device is None else self._from_engine(torch.tensor(device)),
                 host=host, lock=self._lock(key, lock),
-                host_protect=known.host_protect,  # DEV-R3: unobservable
+                host_protect=model_page.host_protect,  # DEV-R3: unobservable
                 hits=known.hits, last_tick=known.last_tick, insert_tick=known.insert_tick,
                 priority=known.priority)
         pending = self._in_flight(pages)
@@ -278,6 +308,9 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
                      pending=pending, clock=model.clock,
                      evictable_tokens=int(self.cache.evictable_size()),
                      protected_tokens=int(self.cache.protected_size()))
+
+    def _totals(self) -> tuple[int, ...]:
+        return (*super()._totals(), len(self._free_host()))
 
     def close(self) -> None:
         super().close()

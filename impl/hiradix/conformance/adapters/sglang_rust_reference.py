@@ -6,7 +6,10 @@ Python core keeps the same fields in Python. ``PythonReference`` is a device-tie
 ``UnifiedRadixCache`` on the Python core, built like the adapter's Rust-core cache, that
 the adapter gives every call it gives the Rust core (match, lock, alloc, insert, free,
 evict, reset), with the suite's clock as its time counter (DEV-21, ``UnifiedClock``) and
-its leaf sets insertion-ordered (DEV-20).
+its leaf sets insertion-ordered (DEV-20). ``HostReference`` is the same with HiCache
+(write-through), for the host-tier engine: it also mirrors the backups an insert queues,
+their acknowledgement, load back and its acknowledgement, and host eviction, and is
+compared on host slots and free host slots too.
 
 The adapter then checks, after every step, that the two cores hold the same pages at
 the same device slots with the same lock counts, and that every call returned the same
@@ -30,6 +33,8 @@ from hiradix.conformance.adapters.sglang import _InsertionOrdered, device_pools
 from hiradix.conformance.adapters.sglang_unified import (
     UnifiedClock,
     UnifiedEnv,
+    build,
+    load_back_params,
     node_ending_at,
     radix_key,
 )
@@ -59,18 +64,23 @@ class PythonReference:
         m = env.modules
         self.env, self.ps = env, scenario.page_size
         env.clock.now = 0  # not the previous cache's last tick
-        _, self.allocator = device_pools(m, self.ps, scenario.device_pages,
-                                         scenario.kv_layout)
         self.full = m["components"].ComponentType.FULL
-        self.cache = m["urc"].UnifiedRadixCache(m["params"].CacheInitParams(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
-            page_size=self.ps, eviction_policy=scenario.eviction,
-            tree_components=(self.full,), tree_core_backend="python"))
+        self._build(scenario)
         self.tree = self.cache.tree_core
         if type(self.tree) is not m["core"].UnifiedTreeCore:
             raise Parted(f"the reference is not the Python tree core: {type(self.tree)}")
         self._order_leaf_sets()
         self.receipts: dict[Key | None, list[Any]] = {}
+
+    def _build(self, scenario: Scenario) -> None:
+        """The allocator and the cache: the device tier only."""
+        m = self.env.modules
+        _, self.allocator = device_pools(m, self.ps, scenario.device_pages,
+                                         scenario.kv_layout)
+        self.cache = m["urc"].UnifiedRadixCache(m["params"].CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
+            page_size=self.ps, eviction_policy=scenario.eviction,
+            tree_components=(self.full,), tree_core_backend="python"))
 
     def _order_leaf_sets(self) -> None:
         """DEV-20: leaf sets hashed by address, rebuilt on reset: ordered again."""
@@ -95,10 +105,11 @@ class PythonReference:
             raise Parted(f"the Python core has no node ending at {page}")
         return node
 
-    def match_prefix(self, key: Key) -> int:
+    def match_prefix(self, key: Key) -> tuple[int, int]:
+        """The device prefix and the host hit (0 on the device tier)."""
         got = self.cache.match_prefix(self.env.modules["base"].MatchPrefixParams(
             key=radix_key(self.env, key)))
-        return int(got.device_prefix_len)
+        return int(got.device_prefix_len), int(got.host_hit_length)
 
     def inc_lock_ref(self, page: Key | None) -> int:
         result = self.cache.inc_lock_ref(self._node(page).id)
@@ -133,29 +144,99 @@ class PythonReference:
 
     # -- what it shows ------------------------------------------------------------------
 
-    def pages(self) -> dict[Key, tuple[tuple[int, ...], int, Stamps]]:
-        """Each page's SGLang device slots, lock count and stamps."""
-        found: dict[Key, tuple[tuple[int, ...], int, Stamps]] = {}
+    def pages(self) -> dict[Key, tuple[tuple[int, ...] | None, tuple[int, ...] | None, int,
+                                       Stamps]]:
+        """Each page's SGLang device slots and host slots (None where it has none),
+        lock count and stamps."""
+        found: dict[Key, tuple[tuple[int, ...] | None, tuple[int, ...] | None, int,
+                               Stamps]] = {}
         stack: list[tuple[Any, tuple[int, ...]]] = [(self.tree.root_node, ())]
         while stack:
             node, prefix = stack.pop()
             for child in node.children.values():
                 tokens = prefix + tuple(child.key.token_ids)
                 data = child.component_data[self.full]
-                value: Sequence[int] = data.value.tolist()
+                values: list[Sequence[int] | None] = [
+                    None if v is None else v.tolist() for v in (data.value, data.host_value)]
                 stamps = Stamps(child.hit_count, UnifiedClock.tick_of(child.last_access_time),
                                 UnifiedClock.tick_of(child.creation_time), child.priority)
                 for end in range(len(prefix) + self.ps, len(tokens) + 1, self.ps):
                     cut = end - len(prefix)
+                    device, host = (None if v is None else tuple(v[cut - self.ps:cut])
+                                    for v in values)
                     found[Key(tokens[:end], child.key.extra_key)] = (
-                        tuple(value[cut - self.ps:cut]), data.lock_ref, stamps)
+                        device, host, data.lock_ref, stamps)
                 stack.append((child, tokens))
         return found
 
-    def totals(self) -> tuple[int, int, int]:
+    def totals(self) -> tuple[int, ...]:
         """Evictable and protected tokens, free slots."""
         return (int(self.cache.evictable_size()), int(self.cache.protected_size()),
                 int(self.allocator.available_size()))
 
     def close(self) -> None:
         self.receipts.clear()
+
+
+class HostReference(PythonReference):
+    """``PythonReference`` with HiCache (write-through), for the host-tier engine
+    (spec/07r "The host tier"): the cache is built as ``sglang_unified.build`` builds
+    it, and the host tier's calls are mirrored too: the backups an insert queues
+    (``flush_pending_backups``, DEV-26), their acknowledgement, a load back and its
+    start, its acknowledgement, host eviction."""
+
+    def _build(self, scenario: Scenario) -> None:
+        built = build(self.env, scenario, "python")
+        self.cache, self.allocator, self.host = built.cache, built.allocator, built.host
+        self.cache.load_back_threshold = scenario.threshold_pages * self.ps
+
+    def insert(self, params: Any) -> int:
+        prefix = super().insert(params)
+        self.cache.flush_pending_backups()  # DEV-26, as the adapter does after its insert
+        return prefix
+
+    def writing_check(self) -> int:
+        """Backups still in flight after the check."""
+        self.cache.writing_check()
+        return len(self.cache.ongoing_write_through)
+
+    def loading_check(self) -> int:
+        """Loads still in flight after the check."""
+        self.cache.loading_check()
+        return len(self.cache.ongoing_load_back)
+
+    def evict_host(self, num_tokens: int) -> int:
+        return int(self.cache.evict_host(num_tokens))
+
+    def init_load_back(self, page: Key | None, quota: int | None) -> tuple[int, Key | None]:
+        """The tokens loaded and the page the load ends at (None: the root), the load
+        started as the adapter starts it."""
+        node = self._node(page)
+        cursor, host_hit = node, 0
+        while cursor is not self.tree.root_node and cursor.evicted:
+            host_hit += len(cursor.component_data[self.full].host_value)
+            cursor = cursor.parent
+        got, last = self.cache.init_load_back(load_back_params(self.env, node.id, cursor.id,
+                                                               host_hit, quota))
+        if node.id in self.cache.ongoing_load_back:
+            self.cache.ready_to_load_host_cache()
+        return int(got), self._page_of(self.tree.node_by_id(last))
+
+    def _page_of(self, node: Any) -> Key | None:
+        """The last page of ``node``'s path; None for a root."""
+        if node.parent is None:
+            return None
+        namespace, tokens = node.key.extra_key, []
+        while node.parent is not None:
+            tokens[:0] = node.key.token_ids
+            node = node.parent
+        return Key(tuple(tokens), namespace)
+
+    def totals(self) -> tuple[int, ...]:
+        """Evictable and protected tokens, free device slots, free host slots."""
+        self.host._merge_release_slots()
+        return (*super().totals(), len(self.host.free_slots))
+
+    def close(self) -> None:
+        super().close()
+        self.cache.shutdown()

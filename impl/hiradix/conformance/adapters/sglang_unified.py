@@ -218,6 +218,17 @@ def build(env: UnifiedEnv, scenario: Scenario, core: str) -> Built:
     return Built(cache, kv, allocator, host)
 
 
+def load_back_params(env: UnifiedEnv, best: int, last_device: int, host_hit: int,
+                     quota: int | None) -> Any:
+    """``InitLoadBackParams`` for node ``best`` (either core's node id) as the scheduler
+    builds them. What init_load_back reads of the request: the device node its match
+    ended at, and no SWA / Mamba host hits (FULL is the only component)."""
+    req = SimpleNamespace(rid="hiradix", last_node=last_device, swa_host_hit_length=0,
+                          mamba_host_hit_length=0, kv=SimpleNamespace(mamba_pool_idx=None))
+    return env.modules["base"].InitLoadBackParams(
+        best_match_node=best, host_hit_length=host_hit, mem_quota=quota, req=req)
+
+
 def radix_key(env: UnifiedEnv, key: Key) -> Any:
     from array import array
     return env.modules["radix"].RadixKey(token_ids=array("q", key.tokens),
@@ -478,13 +489,9 @@ class SglangUnifiedAdapter(SglangAdapter):
             chain.insert(0, cursor)
             cursor = cursor.parent
         host_hit = sum(len(self._data(n).host_value) for n in chain)
-        # What init_load_back reads of the request: the device node its match ended
-        # at, and no SWA / Mamba host hits (FULL is the only component).
-        req = SimpleNamespace(rid="hiradix", last_node=cursor.id, swa_host_hit_length=0,
-                              mamba_host_hit_length=0, kv=SimpleNamespace(mamba_pool_idx=None))
         with self._reclaim_switch():
-            got, last = self.cache.init_load_back(self.m["base"].InitLoadBackParams(
-                best_match_node=node.id, host_hit_length=host_hit, mem_quota=quota, req=req))
+            got, last = self.cache.init_load_back(load_back_params(
+                self.uenv, node.id, cursor.id, host_hit, quota))
         # 0.5.20 returns the loaded device indices, 0.5.23 their number.
         loaded = from_engine(got, self.ps) if self.v20 else ()
         if node.id in self.cache.ongoing_load_back:
