@@ -84,14 +84,19 @@ class PageAllocator:
         self._num_slots = num_slots
         self._page_size = page_size
         self._offsets = torch.arange(page_size, dtype=torch.int64)
-        self._allocated = torch.zeros(num_slots // page_size, dtype=torch.bool)
+        # 1 per allocated page, 0 per free one: ``release`` subtracts 1 per page it is
+        # given and checks for zeros, which finds a page released twice (in one call or
+        # across calls) and a page never allocated in two ops (issue 13).
+        self._held = torch.zeros(num_slots // page_size, dtype=torch.int32)
+        self._ones = torch.ones(num_slots // page_size, dtype=torch.int32)
         # For ``repeated``: a position per page (no state: overwritten by every call) and
         # the positions 0, 1, 2, ... it compares with.
         self._scratch = torch.zeros(num_slots // page_size, dtype=torch.int32)
         self._positions = torch.arange(num_slots // page_size, dtype=torch.int32)
-        # The free pages as a stack in one int64 tensor: ``_stack[:_top]``, its top at
-        # ``_top - 1``. ``alloc`` and ``free`` are a slice each, not a Python list turned
-        # into a tensor (which cost ~20 ns a page: most of an insert's time, issue 13).
+        # The free pages as a stack in one int64 tensor: ``_stack[_top:]``, its top at
+        # ``_top``, growing downwards so that pages keep their order on the way in and
+        # out. ``alloc`` and ``free`` are a slice each, not a Python list turned into a
+        # tensor (which cost ~20 ns a page: most of an insert's time, issue 13).
         self._stack = torch.empty(num_slots // page_size, dtype=torch.int64)
         self._top = 0
         self.reset()
@@ -114,13 +119,13 @@ class PageAllocator:
     @property
     def num_free_slots(self) -> int:
         """Free capacity, in slots (always whole pages)."""
-        return self._top * self._page_size
+        return (self.num_pages - self._top) * self._page_size
 
     def reset(self) -> None:
         """Free every page; the next ``alloc`` starts again from page 0."""
-        self._allocated.zero_()
-        torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int64, out=self._stack)
-        self._top = self.num_pages
+        self._held.zero_()
+        torch.arange(self.num_pages, dtype=torch.int64, out=self._stack)
+        self._top = 0
 
     def _slots_of(self, pages: torch.Tensor) -> torch.Tensor:
         """The slot ids of ``pages`` (int64 page ids), page by page, each page in order:
@@ -130,11 +135,11 @@ class PageAllocator:
         return (pages[:, None] * self._page_size + self._offsets).reshape(-1)
 
     def _push(self, pages: torch.Tensor) -> None:
-        """Put ``pages`` on the free stack, the last one on top (the next ``alloc``'s
-        first page is the most recently freed one)."""
+        """Put ``pages`` on the free stack, the first one on top: the next ``alloc``
+        hands them out first, in this order."""
         count = pages.numel()
-        self._stack[self._top:self._top + count] = pages
-        self._top += count
+        self._stack[self._top - count:self._top] = pages
+        self._top -= count
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` slots as whole pages; None (and no change) if too few
@@ -144,14 +149,15 @@ class PageAllocator:
             raise SlotError("num_tokens", f"must be a multiple of page_size "
                                           f"{self._page_size}, got {num_tokens}")
         count = num_tokens // self._page_size
-        if count > self._top:
+        if count > self.num_pages - self._top:
             return None
         if count == 0:
             return torch.empty(0, dtype=torch.int64)
-        pages = self._stack[self._top - count:self._top].flip(0)  # a copy, top first
-        self._top -= count
-        self._allocated.index_fill_(0, pages, True)
-        return self._slots_of(pages)
+        pages = self._stack[self._top:self._top + count]  # a view of the stack
+        self._top += count
+        self._held.index_fill_(0, pages, 1)
+        # The caller's own tensor: a later free overwrites this part of the stack.
+        return pages.clone() if self._page_size == 1 else self._slots_of(pages)
 
     def _check_free(self, slots: object) -> torch.Tensor:
         """Validate a ``free`` argument; return its page ids (int64, CPU)."""
@@ -177,7 +183,7 @@ class PageAllocator:
                                      f"= {groups[index].tolist()} are not one page's slots "
                                      "in order")
         pages = first // size
-        held = self._allocated[pages]
+        held = self._held[pages] != 0
         if not bool(held.all()):
             page = int(pages[~held][0])
             raise SlotError("slots", f"page {page} (slots from {page * size}) is not allocated "
@@ -194,8 +200,8 @@ class PageAllocator:
         pages = self._check_free(slots)
         if pages.numel() == 0:
             return
-        self._allocated.index_fill_(0, pages, False)
-        self._push(pages.flip(0))
+        self._held.index_fill_(0, pages, 0)
+        self._push(pages)
 
     def release(self, slots: torch.Tensor) -> None:
         """Return whole pages that their owner (the cache's tree) knows are its own: no
@@ -214,11 +220,15 @@ class PageAllocator:
             pages = groups[:, 0] // size
             assert torch.equal(groups, pages[:, None] * size + self._offsets), \
                 "released slots that are not whole pages in order"
-        assert not self.repeated(pages), "released a page twice in one call"
-        assert bool(self._allocated.index_select(0, pages).all()), \
-            "released a page that is not allocated"
-        self._allocated.index_fill_(0, pages, False)
-        self._push(pages.flip(0))
+        count = pages.numel()
+        assert count <= self.num_pages, "released a page twice in one call"
+        held = self._held
+        held.index_add_(0, pages, self._ones[:count], alpha=-1)
+        if bool(held.index_select(0, pages).any()):  # a count went to -1: undo, explain
+            held.index_add_(0, pages, self._ones[:count])
+            assert not self.repeated(pages), "released a page twice in one call"
+            raise AssertionError("released a page that is not allocated")
+        self._push(pages)
 
     def repeated(self, pages: torch.Tensor) -> bool:
         """Whether a page id of ``pages`` (int64, each in range) occurs twice: each page
@@ -234,18 +244,23 @@ class PageAllocator:
     def allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """A bool per slot of ``slots`` (in range, int64): whether its page is allocated."""
         # index_select, not indexing: on a busy machine a parallel gather waited ms.
-        return self._allocated.index_select(0, slots // self._page_size)
+        pages = slots if self._page_size == 1 else slots // self._page_size
+        return self._held.index_select(0, pages) != 0
+
+    def all_allocated(self, pages: torch.Tensor) -> bool:
+        """Whether every page of ``pages`` (int64 page ids, in range) is allocated."""
+        return bool(self._held.index_select(0, pages).all())
 
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot``'s page is allocated."""
         check_int(slot, "slot", minimum=0)
         if slot >= self._num_slots:
             raise SlotError("slot", f"slot {slot} is out of range [0, {self._num_slots})")
-        return bool(self._allocated[slot // self._page_size])
+        return bool(self._held[slot // self._page_size])
 
     def free_slots(self) -> frozenset[int]:
         """Every free slot id (O(free slots); meant for invariant checks)."""
-        return frozenset(self._slots_of(self._stack[:self._top]).tolist())
+        return frozenset(self._slots_of(self._stack[self._top:]).tolist())
 
 
 class SlotPool:

@@ -461,14 +461,16 @@ class HiRadixCache:
         low, high = torch.aminmax(rest)
         if int(low) < 0 or int(high) >= self.device_pool.num_slots:
             return False
-        if not bool(self.device_pool.allocator.allocated(rest).all()) \
+        # Whole pages in order (checked above; ``end`` is a page multiple): a page's
+        # slots are allocated iff its first is, and slots repeat iff their pages do, the
+        # partial tail's included.
+        size = self.page_size
+        pages = rest if size == 1 else rest[::size] // size
+        allocator = self.device_pool.allocator
+        if not allocator.all_allocated(pages) \
                 or bool(self._device_owned.index_select(0, rest).any()):
             return False
-        # Whole pages in order (checked above; ``end`` is a page multiple): slots repeat
-        # iff their pages do, the partial tail's included.
-        size = self.page_size
-        return not self.device_pool.allocator.repeated(rest if size == 1
-                                                       else rest[::size] // size)
+        return not allocator.repeated(pages)
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
