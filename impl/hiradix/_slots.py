@@ -89,6 +89,7 @@ class PageAllocator:
         # across calls) and a page never allocated in two ops (issue 13).
         self._held = torch.zeros(num_slots // page_size, dtype=torch.int32)
         self._ones = torch.ones(num_slots // page_size, dtype=torch.int32)
+        self._zeros = torch.zeros(num_slots // page_size, dtype=torch.int32)
         # For ``repeated``: a position per page (no state: overwritten by every call) and
         # the positions 0, 1, 2, ... it compares with.
         self._scratch = torch.zeros(num_slots // page_size, dtype=torch.int32)
@@ -127,12 +128,12 @@ class PageAllocator:
         torch.arange(self.num_pages, dtype=torch.int64, out=self._stack)
         self._top = 0
 
-    def _slots_of(self, pages: torch.Tensor) -> torch.Tensor:
+    def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
         """The slot ids of ``pages`` (int64 page ids), page by page, each page in order:
         ``pages`` itself when a page is one slot."""
         if self._page_size == 1:
             return pages
-        return (pages[:, None] * self._page_size + self._offsets).reshape(-1)
+        return torch.add(self._offsets, pages.unsqueeze(1), alpha=self._page_size).view(-1)
 
     def _push(self, pages: torch.Tensor) -> None:
         """Put ``pages`` on the free stack, the first one on top: the next ``alloc``
@@ -157,7 +158,7 @@ class PageAllocator:
         self._top += count
         self._held.index_fill_(0, pages, 1)
         # The caller's own tensor: a later free overwrites this part of the stack.
-        return pages.clone() if self._page_size == 1 else self._slots_of(pages)
+        return pages.clone() if self._page_size == 1 else self.slots_of(pages)
 
     def _check_free(self, slots: object) -> torch.Tensor:
         """Validate a ``free`` argument; return its page ids (int64, CPU)."""
@@ -216,15 +217,17 @@ class PageAllocator:
             pages = slots  # every slot is a whole page
         else:
             assert slots.numel() % size == 0, "released slots that are not whole pages in order"
-            groups = slots.reshape(-1, size)
-            pages = groups[:, 0] // size
-            assert torch.equal(groups, pages[:, None] * size + self._offsets), \
+            pages = slots[::size] // size
+            # Equal to its pages' slots: each run of ``size`` starts at a page start
+            # (the page times ``size``) and goes on in order.
+            assert torch.equal(slots, self.slots_of(pages)), \
                 "released slots that are not whole pages in order"
         count = pages.numel()
-        assert count <= self.num_pages, "released a page twice in one call"
+        assert count <= self._held.numel(), "released a page twice in one call"
         held = self._held
         held.index_add_(0, pages, self._ones[:count], alpha=-1)
-        if bool(held.index_select(0, pages).any()):  # a count went to -1: undo, explain
+        # Every count back to 0, or one went to -1 (torch.equal: cheaper than any()).
+        if not torch.equal(held.index_select(0, pages), self._zeros[:count]):  # undo, explain
             held.index_add_(0, pages, self._ones[:count])
             assert not self.repeated(pages), "released a page twice in one call"
             raise AssertionError("released a page that is not allocated")
@@ -247,9 +250,18 @@ class PageAllocator:
         pages = slots if self._page_size == 1 else slots // self._page_size
         return self._held.index_select(0, pages) != 0
 
-    def all_allocated(self, pages: torch.Tensor) -> bool:
-        """Whether every page of ``pages`` (int64 page ids, in range) is allocated."""
-        return bool(self._held.index_select(0, pages).all())
+    def held_once(self, pages: torch.Tensor) -> bool:
+        """Whether every page of ``pages`` (int64 page ids, in range) is allocated and
+        none occurs twice: with 1 taken from each page's count, every count is 0 (a
+        repeated or free page's went below). The counts are restored."""
+        count = pages.numel()
+        if count > self._held.numel():  # more than there are pages: a page repeats
+            return False
+        held, ones = self._held, self._ones[:count]
+        held.index_add_(0, pages, ones, alpha=-1)
+        once = torch.equal(held.index_select(0, pages), self._zeros[:count])
+        held.index_add_(0, pages, ones)
+        return once
 
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot``'s page is allocated."""
@@ -260,7 +272,7 @@ class PageAllocator:
 
     def free_slots(self) -> frozenset[int]:
         """Every free slot id (O(free slots); meant for invariant checks)."""
-        return frozenset(self._slots_of(self._stack[self._top:]).tolist())
+        return frozenset(self.slots_of(self._stack[self._top:]).tolist())
 
 
 class SlotPool:
