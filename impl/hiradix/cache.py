@@ -261,8 +261,12 @@ class HiRadixCache:
         """Recompute ``node``'s membership of the two evictable-leaf sets."""
         if node is self.root:
             return
-        device_leaf = (node.device is not None and node.lock_ref == 0
-                       and not any(c.device is not None for c in node.children.values()))
+        device_leaf = node.device is not None and node.lock_ref == 0
+        if device_leaf:
+            for child in node.children.values():  # a loop: cheaper than any() on a genexpr
+                if child.device is not None:
+                    device_leaf = False
+                    break
         host_leaf = (node.device is None and node.host is not None and node.host_ref == 0
                      and node.lock_ref == 0 and not node.children)
         if not device_leaf:
@@ -576,11 +580,15 @@ class HiRadixCache:
         if host is None:
             self._record_backup(victims, None)
             return False
-        start = 0
-        for node in run:
-            node.host = host[start:start + len(node.tokens)].clone()
-            start += len(node.tokens)
-        source = torch.cat([n.device for n in run if n.device is not None])
+        if len(run) == 1:  # the common case: the allocation is the node's own tensor
+            run[0].host = host
+        else:
+            start = 0
+            for node in run:
+                node.host = host[start:start + len(node.tokens)].clone()
+                start += len(node.tokens)
+        sources = [n.device for n in run if n.device is not None]
+        source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("d2h", source, host)
         self._add_lock(run[-1], +1)  # the device source must outlive the copy
         self._issued += 1
@@ -913,13 +921,17 @@ class HiRadixCache:
                 self._refresh(n)
             self._record_load(victims, None)
             return None
-        start = 0
-        for n in chain:
-            self._set_device(n, device[start:start + len(n.tokens)].clone())
-            start += len(n.tokens)
+        if len(chain) == 1:  # the common case: the allocation is the node's own tensor
+            self._set_device(chain[0], device)
+        else:
+            start = 0
+            for n in chain:
+                self._set_device(n, device[start:start + len(n.tokens)].clone())
+                start += len(n.tokens)
         for n in chain:
             self._refresh_around(n)
-        source = torch.cat([n.host for n in chain if n.host is not None])
+        sources = [n.host for n in chain if n.host is not None]
+        source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("h2d", device, source)
         self._add_lock(node, +1)  # released by loading_check
         self._issued += 1
