@@ -17,6 +17,8 @@ from hiradix.errors import SlotError
 
 __all__ = ["PageAllocator", "SlotError", "SlotPool"]
 
+UNIT_VIEWS = 1024  # lengths whose slices of ones and zeros an allocator keeps
+
 
 def is_int(value: object) -> bool:
     """True for a Python ``int`` that is not a ``bool`` (``True`` is no slot count)."""
@@ -90,6 +92,9 @@ class PageAllocator:
         self._held = torch.zeros(num_slots // page_size, dtype=torch.int32)
         self._ones = torch.ones(num_slots // page_size, dtype=torch.int32)
         self._zeros = torch.zeros(num_slots // page_size, dtype=torch.int32)
+        # (ones, zeros) of each length up to UNIT_VIEWS, sliced once (a slice costs
+        # about as much as the op that uses it).
+        self._units: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # For ``repeated``: a position per page (no state: overwritten by every call) and
         # the positions 0, 1, 2, ... it compares with.
         self._scratch = torch.zeros(num_slots // page_size, dtype=torch.int32)
@@ -225,10 +230,11 @@ class PageAllocator:
         count = pages.numel()
         assert count <= self._held.numel(), "released a page twice in one call"
         held = self._held
-        held.index_add_(0, pages, self._ones[:count], alpha=-1)
+        ones, zeros = self._unit(count)
+        held.index_add_(0, pages, ones, alpha=-1)
         # Every count back to 0, or one went to -1 (torch.equal: cheaper than any()).
-        if not torch.equal(held.index_select(0, pages), self._zeros[:count]):  # undo, explain
-            held.index_add_(0, pages, self._ones[:count])
+        if not torch.equal(held.index_select(0, pages), zeros):  # undo, explain
+            held.index_add_(0, pages, ones)
             assert not self.repeated(pages), "released a page twice in one call"
             raise AssertionError("released a page that is not allocated")
         self._push(pages)
@@ -250,6 +256,15 @@ class PageAllocator:
         pages = slots if self._page_size == 1 else slots // self._page_size
         return self._held.index_select(0, pages) != 0
 
+    def _unit(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` ones and ``count`` zeros (int32, count <= num_pages)."""
+        unit = self._units.get(count)
+        if unit is None:
+            unit = (self._ones[:count], self._zeros[:count])
+            if count <= UNIT_VIEWS:
+                self._units[count] = unit
+        return unit
+
     def held_once(self, pages: torch.Tensor) -> bool:
         """Whether every page of ``pages`` (int64 page ids, in range) is allocated and
         none occurs twice: with 1 taken from each page's count, every count is 0 (a
@@ -257,9 +272,10 @@ class PageAllocator:
         count = pages.numel()
         if count > self._held.numel():  # more than there are pages: a page repeats
             return False
-        held, ones = self._held, self._ones[:count]
+        held = self._held
+        ones, zeros = self._unit(count)
         held.index_add_(0, pages, ones, alpha=-1)
-        once = torch.equal(held.index_select(0, pages), self._zeros[:count])
+        once = torch.equal(held.index_select(0, pages), zeros)
         held.index_add_(0, pages, ones)
         return once
 

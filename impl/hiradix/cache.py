@@ -458,7 +458,7 @@ class HiRadixCache:
         for node, matched in walked:
             if node.device is None:
                 break
-            own.append(node.device[:matched])
+            own.append(node.device if matched == len(node.tokens) else node.device[:matched])
             end += matched
         if any(node.device is not None for node, _ in walked[len(own):]):
             return False  # a device node past a host-only one: the general check
