@@ -88,7 +88,8 @@ class PageAllocator:
         self._offsets = torch.arange(page_size, dtype=torch.int64)
         # 1 per allocated page, 0 per free one: ``release`` subtracts 1 per page it is
         # given and checks for zeros, which finds a page released twice (in one call or
-        # across calls) and a page never allocated in two ops (issue 13).
+        # across calls) and a page never allocated with three tensor ops (index_add_,
+        # index_select, equal; issue 13).
         self._held = torch.zeros(num_slots // page_size, dtype=torch.int32)
         self._ones = torch.ones(num_slots // page_size, dtype=torch.int32)
         self._zeros = torch.zeros(num_slots // page_size, dtype=torch.int32)
