@@ -17,6 +17,8 @@ from hiradix.errors import SlotError
 
 __all__ = ["PageAllocator", "SlotError", "SlotPool"]
 
+UNIT_VIEWS = 1024  # lengths whose slices of ones and zeros an allocator keeps
+
 
 def is_int(value: object) -> bool:
     """True for a Python ``int`` that is not a ``bool`` (``True`` is no slot count)."""
@@ -84,12 +86,26 @@ class PageAllocator:
         self._num_slots = num_slots
         self._page_size = page_size
         self._offsets = torch.arange(page_size, dtype=torch.int64)
-        self._allocated = torch.zeros(num_slots // page_size, dtype=torch.bool)
+        # 1 per allocated page, 0 per free one: ``release`` subtracts 1 per page it is
+        # given and checks for zeros, which finds a page released twice (in one call or
+        # across calls) and a page never allocated with three tensor ops (index_add_,
+        # index_select, equal; issue 13).
+        self._held = torch.zeros(num_slots // page_size, dtype=torch.int32)
+        self._ones = torch.ones(num_slots // page_size, dtype=torch.int32)
+        self._zeros = torch.zeros(num_slots // page_size, dtype=torch.int32)
+        # (ones, zeros) of each length up to UNIT_VIEWS, sliced once (a slice costs
+        # about as much as the op that uses it).
+        self._units: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # For ``repeated``: a position per page (no state: overwritten by every call) and
         # the positions 0, 1, 2, ... it compares with.
         self._scratch = torch.zeros(num_slots // page_size, dtype=torch.int32)
         self._positions = torch.arange(num_slots // page_size, dtype=torch.int32)
-        self._free_pages: list[int] = []  # the top of the stack is the end of the list
+        # The free pages as a stack in one int64 tensor: ``_stack[_top:]``, its top at
+        # ``_top``, growing downwards so that pages keep their order on the way in and
+        # out. ``alloc`` and ``free`` are a slice each, not a Python list turned into a
+        # tensor (which cost ~20 ns a page: most of an insert's time, issue 13).
+        self._stack = torch.empty(num_slots // page_size, dtype=torch.int64)
+        self._top = 0
         self.reset()
 
     @property
@@ -110,16 +126,27 @@ class PageAllocator:
     @property
     def num_free_slots(self) -> int:
         """Free capacity, in slots (always whole pages)."""
-        return len(self._free_pages) * self._page_size
+        return (self.num_pages - self._top) * self._page_size
 
     def reset(self) -> None:
         """Free every page; the next ``alloc`` starts again from page 0."""
-        self._allocated.zero_()
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._held.zero_()
+        torch.arange(self.num_pages, dtype=torch.int64, out=self._stack)
+        self._top = 0
 
-    def _slots_of(self, pages: torch.Tensor) -> torch.Tensor:
-        """The slot ids of ``pages`` (int64 page ids), page by page, each page in order."""
-        return (pages[:, None] * self._page_size + self._offsets).reshape(-1)
+    def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
+        """The slot ids of ``pages`` (int64 page ids), page by page, each page in order:
+        ``pages`` itself when a page is one slot."""
+        if self._page_size == 1:
+            return pages
+        return torch.add(self._offsets, pages.unsqueeze(1), alpha=self._page_size).view(-1)
+
+    def _push(self, pages: torch.Tensor) -> None:
+        """Put ``pages`` on the free stack, the first one on top: the next ``alloc``
+        hands them out first, in this order."""
+        count = pages.numel()
+        self._stack[self._top - count:self._top] = pages
+        self._top -= count
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate ``num_tokens`` slots as whole pages; None (and no change) if too few
@@ -129,16 +156,15 @@ class PageAllocator:
             raise SlotError("num_tokens", f"must be a multiple of page_size "
                                           f"{self._page_size}, got {num_tokens}")
         count = num_tokens // self._page_size
-        if count > len(self._free_pages):
+        if count > self.num_pages - self._top:
             return None
         if count == 0:
             return torch.empty(0, dtype=torch.int64)
-        taken = self._free_pages[-count:]
-        del self._free_pages[-count:]
-        taken.reverse()
-        pages = torch.tensor(taken, dtype=torch.int64)
-        self._allocated[pages] = True
-        return self._slots_of(pages)
+        pages = self._stack[self._top:self._top + count]  # a view of the stack
+        self._top += count
+        self._held.index_fill_(0, pages, 1)
+        # The caller's own tensor: a later free overwrites this part of the stack.
+        return pages.clone() if self._page_size == 1 else self.slots_of(pages)
 
     def _check_free(self, slots: object) -> torch.Tensor:
         """Validate a ``free`` argument; return its page ids (int64, CPU)."""
@@ -164,7 +190,7 @@ class PageAllocator:
                                      f"= {groups[index].tolist()} are not one page's slots "
                                      "in order")
         pages = first // size
-        held = self._allocated[pages]
+        held = self._held[pages] != 0
         if not bool(held.all()):
             page = int(pages[~held][0])
             raise SlotError("slots", f"page {page} (slots from {page * size}) is not allocated "
@@ -181,8 +207,8 @@ class PageAllocator:
         pages = self._check_free(slots)
         if pages.numel() == 0:
             return
-        self._allocated[pages] = False
-        self._free_pages.extend(reversed(pages.tolist()))
+        self._held.index_fill_(0, pages, 0)
+        self._push(pages)
 
     def release(self, slots: torch.Tensor) -> None:
         """Return whole pages that their owner (the cache's tree) knows are its own: no
@@ -197,15 +223,22 @@ class PageAllocator:
             pages = slots  # every slot is a whole page
         else:
             assert slots.numel() % size == 0, "released slots that are not whole pages in order"
-            groups = slots.reshape(-1, size)
-            pages = groups[:, 0] // size
-            assert torch.equal(groups, pages[:, None] * size + self._offsets), \
+            pages = slots[::size] // size
+            # Equal to its pages' slots: each run of ``size`` starts at a page start
+            # (the page times ``size``) and goes on in order.
+            assert torch.equal(slots, self.slots_of(pages)), \
                 "released slots that are not whole pages in order"
-        assert not self.repeated(pages), "released a page twice in one call"
-        assert bool(self._allocated.index_select(0, pages).all()), \
-            "released a page that is not allocated"
-        self._allocated.index_fill_(0, pages, False)
-        self._free_pages.extend(reversed(pages.tolist()))
+        count = pages.numel()
+        assert count <= self._held.numel(), "released a page twice in one call"
+        held = self._held
+        ones, zeros = self._unit(count)
+        held.index_add_(0, pages, ones, alpha=-1)
+        # Every count back to 0, or one went to -1 (torch.equal: cheaper than any()).
+        if not torch.equal(held.index_select(0, pages), zeros):  # undo, explain
+            held.index_add_(0, pages, ones)
+            assert not self.repeated(pages), "released a page twice in one call"
+            raise AssertionError("released a page that is not allocated")
+        self._push(pages)
 
     def repeated(self, pages: torch.Tensor) -> bool:
         """Whether a page id of ``pages`` (int64, each in range) occurs twice: each page
@@ -221,21 +254,42 @@ class PageAllocator:
     def allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """A bool per slot of ``slots`` (in range, int64): whether its page is allocated."""
         # index_select, not indexing: on a busy machine a parallel gather waited ms.
-        return self._allocated.index_select(0, slots // self._page_size)
+        pages = slots if self._page_size == 1 else slots // self._page_size
+        return self._held.index_select(0, pages) != 0
+
+    def _unit(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` ones and ``count`` zeros (int32, count <= num_pages)."""
+        unit = self._units.get(count)
+        if unit is None:
+            unit = (self._ones[:count], self._zeros[:count])
+            if count <= UNIT_VIEWS:
+                self._units[count] = unit
+        return unit
+
+    def held_once(self, pages: torch.Tensor) -> bool:
+        """Whether every page of ``pages`` (int64 page ids, in range) is allocated and
+        none occurs twice: with 1 taken from each page's count, every count is 0 (a
+        repeated or free page's went below). The counts are restored."""
+        count = pages.numel()
+        if count > self._held.numel():  # more than there are pages: a page repeats
+            return False
+        held = self._held
+        ones, zeros = self._unit(count)
+        held.index_add_(0, pages, ones, alpha=-1)
+        once = torch.equal(held.index_select(0, pages), zeros)
+        held.index_add_(0, pages, ones)
+        return once
 
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot``'s page is allocated."""
         check_int(slot, "slot", minimum=0)
         if slot >= self._num_slots:
             raise SlotError("slot", f"slot {slot} is out of range [0, {self._num_slots})")
-        return bool(self._allocated[slot // self._page_size])
+        return bool(self._held[slot // self._page_size])
 
     def free_slots(self) -> frozenset[int]:
         """Every free slot id (O(free slots); meant for invariant checks)."""
-        if not self._free_pages:
-            return frozenset()
-        pages = torch.tensor(self._free_pages, dtype=torch.int64)
-        return frozenset(self._slots_of(pages).tolist())
+        return frozenset(self.slots_of(self._stack[self._top:]).tolist())
 
 
 class SlotPool:

@@ -41,9 +41,9 @@ if TYPE_CHECKING:  # the storage tier imports this module
 EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _release(pool: DeviceKVPool | HostKVPool, parts: list[torch.Tensor]) -> None:
-    """Give ``pool`` back the slots of one operation in one call, so that its checks
-    (whole pages, each allocated, none twice: across the parts too) run once."""
+def _release(pool: HostKVPool, parts: list[torch.Tensor]) -> None:
+    """Give ``pool`` back the host slots of one operation in one call, so that its
+    checks (whole pages, each allocated, none twice: across the parts too) run once."""
     if parts:
         pool.release(parts[0] if len(parts) == 1 else torch.cat(parts))
 
@@ -175,7 +175,6 @@ class HiRadixCache:
         self._storage: StorageTier | None = None  # attach_storage_backend's tier
         self._in_tier_writing_check = False
         self._threshold = backup_threshold(config.write_policy)
-        self._offsets = torch.arange(self.page_size, dtype=torch.int64)  # within a page
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -226,11 +225,14 @@ class HiRadixCache:
             else:
                 self.protected_tokens += sign * len(node.tokens)
 
-    def _set_device(self, node: TreeNode, slots: torch.Tensor | None) -> None:
+    def _set_device(self, node: TreeNode, slots: torch.Tensor | None, *,
+                    releasing: bool = False) -> None:
+        """``releasing``: the old slots go to an eviction's ``freed``, whose release
+        (``_release_device``) clears their ownership for all its nodes in one op."""
         if self.events is not None and (node.device is None) != (slots is None):
             self._emit("stored" if slots is not None else "removed", "device", node)
         self._count(node, -1)
-        if node.device is not None:
+        if node.device is not None and not releasing:
             self._device_owned.index_fill_(0, node.device, False)
         node.device = slots
         if slots is not None:
@@ -259,8 +261,12 @@ class HiRadixCache:
         """Recompute ``node``'s membership of the two evictable-leaf sets."""
         if node is self.root:
             return
-        device_leaf = (node.device is not None and node.lock_ref == 0
-                       and not any(c.device is not None for c in node.children.values()))
+        device_leaf = node.device is not None and node.lock_ref == 0
+        if device_leaf:
+            for child in node.children.values():  # a loop: cheaper than any() on a genexpr
+                if child.device is not None:
+                    device_leaf = False
+                    break
         host_leaf = (node.device is None and node.host is not None and node.host_ref == 0
                      and node.lock_ref == 0 and not node.children)
         if not device_leaf:
@@ -376,19 +382,20 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def _check_whole_pages(self, slots: torch.Tensor) -> None:
+    def _check_whole_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """spec/03, R7: each run of P positions (and the partial tail) is the slots of one
         page, in order. The tree, copies and ``release`` are page-granular, so anything
         else would free one page twice and leak another (issue 16). One comparison with
-        what whole pages would be: each run's first slot rounded down to its page, plus
-        the offsets (the partial tail compares with its page's first slots)."""
+        what whole pages would be: each run's first slot's page, as slots (the partial
+        tail compares with its page's first slots). Returns those pages, one per run
+        (``slots`` itself at page size 1), for the checks that follow."""
         size = self.page_size
         if size == 1:
-            return
-        starts = slots[::size]
-        pages = (starts - starts % size)[:, None] + self._offsets
-        if torch.equal(slots, pages.view(-1)[:len(slots)]):
-            return
+            return slots
+        pages = slots[::size] // size
+        whole = self.device_pool.allocator.slots_of(pages)
+        if torch.equal(slots, whole if len(slots) % size == 0 else whole[:len(slots)]):
+            return pages
         for start in range(0, len(slots), size):  # only on failure: find and explain
             run = slots[start:start + size].tolist()
             if run[0] % size:
@@ -410,8 +417,8 @@ class HiRadixCache:
         tree scan; ownership and duplicates are checked only where the slots are not the
         cache's own (a node's slots are distinct and owned, so a caller's slot can equal
         none of them), which keeps a long shared prefix cheap."""
-        self._check_whole_pages(slots)
-        if self._insert_slots_plainly_valid(slots, walked):
+        pages = self._check_whole_pages(slots)
+        if self._insert_slots_plainly_valid(slots, pages, walked):
             return
         # The general case, and every failure (explained here, slot by slot).
         reuse = torch.zeros(len(slots), dtype=torch.bool)
@@ -438,37 +445,40 @@ class HiRadixCache:
         if torch.unique(others).numel() != len(others):
             raise InvalidArgument("slots", "holds a slot twice")
 
-    def _insert_slots_plainly_valid(self, slots: torch.Tensor,
+    def _insert_slots_plainly_valid(self, slots: torch.Tensor, pages: torch.Tensor,
                                     walked: list[tuple[TreeNode, int]]) -> bool:
         """The common case of ``_check_insert_slots`` in a few tensor ops: the slots
         start with the cache's own for the walked device run (what ``match_prefix``
         returned) and the rest, past it, are distinct slots the caller holds. True only
-        if so; False sends the caller to the general check, which finds any error."""
+        if so; False sends the caller to the general check, which finds any error.
+        ``pages``: the page of each run of ``slots``, which are whole pages in order
+        (``_check_whole_pages``), so the rest is checked page by page."""
         own: list[torch.Tensor] = []
         end = 0
         for node, matched in walked:
             if node.device is None:
                 break
-            own.append(node.device[:matched])
+            own.append(node.device if matched == len(node.tokens) else node.device[:matched])
             end += matched
         if any(node.device is not None for node, _ in walked[len(own):]):
             return False  # a device node past a host-only one: the general check
         if own and not torch.equal(slots[:end], own[0] if len(own) == 1 else torch.cat(own)):
             return False
-        rest = slots[end:]
-        if not len(rest):
+        if end == len(slots):
             return True
-        low, high = torch.aminmax(rest)
-        if int(low) < 0 or int(high) >= self.device_pool.num_slots:
-            return False
-        if not bool(self.device_pool.allocator.allocated(rest).all()) \
-                or bool(self._device_owned.index_select(0, rest).any()):
-            return False
-        # Whole pages in order (checked above; ``end`` is a page multiple): slots repeat
-        # iff their pages do, the partial tail's included.
+        # Whole pages in order (``end`` is a page multiple): a slot is in range, held by
+        # the caller, owned by a node or repeated iff its page is (a node owns whole
+        # pages), the partial tail's included.
         size = self.page_size
-        return not self.device_pool.allocator.repeated(rest if size == 1
-                                                       else rest[::size] // size)
+        rest = pages[end // size:]
+        low, high = torch.aminmax(rest)
+        allocator = self.device_pool.allocator
+        if int(low) < 0 or int(high) >= allocator.num_pages:
+            return False
+        starts = rest if size == 1 else slots[end::size]
+        if bool(self._device_owned.index_select(0, starts).any()):
+            return False
+        return allocator.held_once(rest)
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
@@ -570,11 +580,15 @@ class HiRadixCache:
         if host is None:
             self._record_backup(victims, None)
             return False
-        start = 0
-        for node in run:
-            node.host = host[start:start + len(node.tokens)].clone()
-            start += len(node.tokens)
-        source = torch.cat([n.device for n in run if n.device is not None])
+        if len(run) == 1:  # the common case: the allocation is the node's own tensor
+            run[0].host = host
+        else:
+            start = 0
+            for node in run:
+                node.host = host[start:start + len(node.tokens)].clone()
+                start += len(node.tokens)
+        sources = [n.device for n in run if n.device is not None]
+        source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("d2h", source, host)
         self._add_lock(run[-1], +1)  # the device source must outlive the copy
         self._issued += 1
@@ -722,8 +736,16 @@ class HiRadixCache:
         for node in kept:  # still evictable leaves: back in the order for later calls
             if node in self.device_leaves:
                 order.push_back(node)
-        _release(self.device_pool, freed)
+        self._release_device(freed)
         return evicted, victims
+
+    def _release_device(self, freed: list[torch.Tensor]) -> None:
+        """Release an eviction's device slots (its nodes dropped them with
+        ``releasing``) and clear their ownership, one call and one op for all."""
+        if freed:
+            slots = freed[0] if len(freed) == 1 else torch.cat(freed)
+            self.device_pool.release(slots)
+            self._device_owned.index_fill_(0, slots, False)
 
     def _drop_device_copy(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
         """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
@@ -731,11 +753,11 @@ class HiRadixCache:
         assert node.device is not None and node.lock_ref == 0
         freed.append(node.device)
         if node.host is not None:
-            self._set_device(node, None)
+            self._set_device(node, None, releasing=True)
             self._refresh_around(node)
         else:
             assert not node.children, f"{node!r}: a device-only leaf with children"
-            self._set_device(node, None)
+            self._set_device(node, None, releasing=True)
             self._detach(node)
         return len(node.tokens)
 
@@ -771,7 +793,7 @@ class HiRadixCache:
         if self.events is not None:
             self._emit("stored", "host", node)
         freed.append(node.device)
-        self._set_device(node, None)
+        self._set_device(node, None, releasing=True)
         self._refresh_around(node)
         if self.on_write_back is not None:
             self.on_write_back(node)
@@ -806,7 +828,7 @@ class HiRadixCache:
                 n.host = None
             if n.device is not None:
                 freed.append(n.device)
-                self._set_device(n, None)
+                self._set_device(n, None, releasing=True)
             self.device_leaves.discard(n)
             self.host_leaves.discard(n)
         _release(self.host_pool, host_freed)
@@ -899,13 +921,17 @@ class HiRadixCache:
                 self._refresh(n)
             self._record_load(victims, None)
             return None
-        start = 0
-        for n in chain:
-            self._set_device(n, device[start:start + len(n.tokens)].clone())
-            start += len(n.tokens)
+        if len(chain) == 1:  # the common case: the allocation is the node's own tensor
+            self._set_device(chain[0], device)
+        else:
+            start = 0
+            for n in chain:
+                self._set_device(n, device[start:start + len(n.tokens)].clone())
+                start += len(n.tokens)
         for n in chain:
             self._refresh_around(n)
-        source = torch.cat([n.host for n in chain if n.host is not None])
+        sources = [n.host for n in chain if n.host is not None]
+        source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("h2d", device, source)
         self._add_lock(node, +1)  # released by loading_check
         self._issued += 1

@@ -358,8 +358,9 @@ def _copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
     planes = src.dim() - (3 if src.dim() == 5 else 2)  # MHA [L, 2, S, H, D]; MLA [L, S, C]
     src_planes = src.flatten(0, planes - 1) if planes > 1 else src
     dst_planes = dst.flatten(0, planes - 1) if planes > 1 else dst
-    row_bytes = src_planes[0, 0].numel() * src.element_size()
-    if src_planes.shape[0] * len(src_slots) * row_bytes <= ONE_OP_BYTES:
+    shape = src_planes.shape  # [planes, slots, *row]: no indexing op for a row's size
+    row_bytes = math.prod(shape[2:]) * src.element_size()
+    if shape[0] * len(src_slots) * row_bytes <= ONE_OP_BYTES:
         dst_planes.index_copy_(1, dst_slots, src_planes.index_select(1, src_slots))
         return
     for index in range(src_planes.shape[0]):
