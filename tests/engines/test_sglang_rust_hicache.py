@@ -111,10 +111,15 @@ def test_the_host_cycle_agrees() -> None:
 
 
 def _differs(machine: Any, wrong: State) -> None:
+    _differs_from(machine, wrong)
+    machine.teardown()
+
+
+def _differs_from(machine: Any, wrong: State) -> None:
+    """``_differs``, the machine kept for further steps."""
     seen = machine.engine.observe(wrong)
     assert seen == machine.model, describe_difference(seen, machine.model)
     assert seen != wrong
-    machine.teardown()
 
 
 def test_wrong_host_slots_are_caught() -> None:
@@ -144,11 +149,35 @@ def test_host_kv_bytes_the_engine_lost_are_caught() -> None:
     machine.teardown()
 
 
-def test_host_protect_is_declared_unobservable() -> None:
-    """spec/07r DEV-R3: host lock counts have no accessor; the field is the model's."""
+def test_host_protect_comes_from_the_host_reference_core_not_the_model() -> None:
+    """spec/07r DEV-R3: the Rust core shows no host lock, so ``host_protect`` is read off
+    the reference core (DEV-22 mapped): a model page with a wrong value is reported, both
+    on a page no load protects and on a page of a load in flight."""
     machine = _cycled()
     adapter = machine.engine
-    assert "host_protect" in adapter.unobservable
+    assert "host_protect" in adapter.unobservable and "host_protect" in adapter.mapped
+    key = _host_only(machine.model)[0]
+    assert machine.model.pages[key].host_protect == 0
+    pages = dict(machine.model.pages)
+    pages[key] = replace(pages[key], host_protect=3)
+    _differs_from(machine, replace(machine.model, pages=pages))
+    # A load in flight: its chain is protected (DEV-5), read off the reference's lock on
+    # the anchor (DEV-22); a model that forgot the protection is reported.
+    machine.load_back(index=0)
+    machine.engine_refines_the_model()
+    loading = [k for k, p in machine.model.pages.items() if p.host_protect]
+    assert loading, "the load in flight protects no page"
+    assert adapter.reference is not None and adapter.reference.cache.ongoing_load_back
+    pages = {k: replace(p, host_protect=0) for k, p in machine.model.pages.items()}
+    _differs_from(machine, replace(machine.model, pages=pages))
+    machine.teardown()
+
+
+@pytest.mark.usefixtures("without_reference")
+def test_without_the_reference_host_protect_is_the_models() -> None:
+    machine = _cycled()
+    adapter = machine.engine
+    assert adapter.reference is None
     key = _host_only(machine.model)[0]
     pages = dict(machine.model.pages)
     pages[key] = replace(pages[key], host_protect=3)

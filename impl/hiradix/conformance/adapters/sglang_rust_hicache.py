@@ -20,7 +20,7 @@ loads in flight                  ``cache.ongoing_load_back`` (key: the load's no
                                  acknowledged by ``loading_check``
 host lock refs per node          not exposed: not in ``pretty_print`` (which prints
                                  ``full_lock`` only), no accessor: ``host_protect`` is
-                                 unobservable (spec/07r DEV-R3)
+                                 read off the reference core (spec/07r DEV-R3)
 KV bytes on the host             the host pool's buffers (Python)
 ==============================  ==========================================================
 
@@ -31,14 +31,19 @@ Unobservable: ``hits``, ``last_tick``, ``insert_tick``, ``priority`` (DEV-R1), r
 a Python reference core with HiCache given the same calls, host tier included
 (``sglang_rust_reference.HostReference``; ``Parted`` where the two cores answer a call
 differently or hold other pages, device or host slots, locks or totals), as the
-device-tier adapter reads them; and ``host_protect`` (DEV-R3), filled from the model's
-page of the same key. So a load's host protection (DEV-5/DEV-22) is seen only through
-its consequences: what ``evict_host`` may take while a load is in flight.
+device-tier adapter reads them; and ``host_protect`` (DEV-R3), read off the same
+reference, each node's host lock count with DEV-22 mapped as the Python-core adapter
+maps it (``sglang_unified.load_host_locks``: a load's lock taken off its anchor's
+segment, one added to each page of its chain). So a load's host protection is checked
+against the model page by page. The Rust core's own host lock counts stay unseen: a
+Rust core that locked otherwise than its reference shows only through consequences,
+what ``evict_host`` takes (compared call by call) and the host slots left.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,7 +56,6 @@ from hiradix.conformance.adapters.sglang import (
     KV_LAYOUTS,
     LAYERS,
     SglangAdapter,
-    _on_path,
     _Run,
     read_host_kv,
 )
@@ -70,7 +74,8 @@ from hiradix_model import Config, Key, Page, State, Transfer, ops
 HOST_UNOBSERVABLE: Mapping[str, str] = {
     **UNOBSERVABLE,
     "host_protect": "the Rust core keeps host lock refs with no accessor; pretty_print "
-                    "prints the device lock only (spec/07r DEV-R3)",
+                    "prints the device lock only; read off the reference core, mapped "
+                    "as DEV-22 (spec/07r DEV-R3)",
 }
 
 
@@ -101,6 +106,9 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
             "last_host_page": "DEV-23: SGLang's last_host_node is the best match, host copy "
                               "or not; the spec's is its deepest ancestor with a host copy",
             "lock": "DEV-7: one lock per backed-up node is folded into one lock per run",
+            "host_protect": "DEV-22 on the reference core: a load's host lock sits on its "
+                            "anchor's segment until the ack; the spec protects every page "
+                            "of the chain (DEV-5)",
             "flush backups": "DEV-26: insert queues its backups; flush_pending_backups() "
                              "issues them, as the scheduler does after each batch",
             "start loads": "init_load_back is followed by ready_to_load_host_cache(), which "
@@ -263,28 +271,33 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
         raise AssertionError(f"{self.name}: a {direction} copy in flight that no operation "
                              f"of the suite issued")
 
-    def _lock(self, key: Key, lock: int) -> int:
-        """DEV-7: SGLang locks the root path of every node of a run, the spec that of the
-        run's deepest page once."""
-        for run in self.runs:
-            if set(run.ids) & set(self.cache.ongoing_write_through):
-                lock -= max(0, sum(_on_path(key, q) for q in run.lock_pages) - 1)
-        return lock
+    # DEV-7 (one lock per run) and DEV-5 (a load protects each page of its chain): the
+    # HiRadixCache adapter's page correction, on the runs and loads recorded here.
+    _corrected = SglangAdapter._corrected
+
+    def _host_locks(self) -> Mapping[Key, int]:
+        """Each page's host lock count as the reference core keeps it, less its loads'
+        (DEV-22); none without a reference. Read after ``_stamps`` has shown the two
+        cores to hold the same pages."""
+        return {} if self.reference is None else self.reference.host_locks()
 
     def observe(self, model: State) -> State:
         nodes = self._scan()
         read = self._pages(nodes)
         stamps = self._stamps(read)
+        host_locks = self._host_locks()
         pages: dict[Key, Page] = {}
         for key, (device, host, lock) in read.items():
             model_page = model.pages.get(key) or Page(None, None)
             known = stamps.get(key) or model_page
-            pages[key] = Page(
+            page = self._corrected(key, Page(
                 device=None if device is None else self._from_engine(torch.tensor(device)),
-                host=host, lock=self._lock(key, lock),
-                host_protect=model_page.host_protect,  # DEV-R3: unobservable
+                host=host, lock=lock, host_protect=host_locks.get(key, 0),
                 hits=known.hits, last_tick=known.last_tick, insert_tick=known.insert_tick,
-                priority=known.priority)
+                priority=known.priority))
+            # DEV-R3: the Rust core shows no host lock; without a reference, the model's.
+            pages[key] = page if self.reference is not None else replace(
+                page, host_protect=model_page.host_protect)
         pending = self._in_flight(pages)
         arriving = {d: {s for t in pending if t.direction == d for s in t.dst}
                     for d in ("d2h", "h2d")}

@@ -8,8 +8,9 @@ the adapter gives every call it gives the Rust core (match, lock, alloc, insert,
 evict, reset), with the suite's clock as its time counter (DEV-21, ``UnifiedClock``) and
 its leaf sets insertion-ordered (DEV-20). ``HostReference`` is the same with HiCache
 (write-through), for the host-tier engine: it also mirrors the backups an insert queues,
-their acknowledgement, load back and its acknowledgement, and host eviction, and is
-compared on host slots and free host slots too.
+their acknowledgement, load back and its acknowledgement, and host eviction, is
+compared on host slots and free host slots too, and gives each page's host lock count
+for ``host_protect`` (DEV-R3, DEV-22 mapped).
 
 The adapter then checks, after every step, that the two cores hold the same pages at
 the same device slots with the same lock counts, and that every call returned the same
@@ -23,7 +24,7 @@ reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from hiradix.conformance.adapters.sglang_unified import (
     UnifiedEnv,
     build,
     load_back_params,
+    load_host_locks,
     node_ending_at,
     radix_key,
 )
@@ -144,29 +146,34 @@ class PythonReference:
 
     # -- what it shows ------------------------------------------------------------------
 
+    def _walk(self) -> Iterator[tuple[Any, list[Key]]]:
+        """Each node of the tree (after its parent), with the keys of the pages it ends."""
+        stack: list[tuple[Any, tuple[int, ...]]] = [(self.tree.root_node, ())]
+        while stack:
+            node, prefix = stack.pop()
+            for child in node.children.values():
+                tokens = prefix + tuple(child.key.token_ids)
+                yield child, [Key(tokens[:end], child.key.extra_key)
+                              for end in range(len(prefix) + self.ps, len(tokens) + 1,
+                                               self.ps)]
+                stack.append((child, tokens))
+
     def pages(self) -> dict[Key, tuple[tuple[int, ...] | None, tuple[int, ...] | None, int,
                                        Stamps]]:
         """Each page's SGLang device slots and host slots (None where it has none),
         lock count and stamps."""
         found: dict[Key, tuple[tuple[int, ...] | None, tuple[int, ...] | None, int,
                                Stamps]] = {}
-        stack: list[tuple[Any, tuple[int, ...]]] = [(self.tree.root_node, ())]
-        while stack:
-            node, prefix = stack.pop()
-            for child in node.children.values():
-                tokens = prefix + tuple(child.key.token_ids)
-                data = child.component_data[self.full]
-                values: list[Sequence[int] | None] = [
-                    None if v is None else v.tolist() for v in (data.value, data.host_value)]
-                stamps = Stamps(child.hit_count, UnifiedClock.tick_of(child.last_access_time),
-                                UnifiedClock.tick_of(child.creation_time), child.priority)
-                for end in range(len(prefix) + self.ps, len(tokens) + 1, self.ps):
-                    cut = end - len(prefix)
-                    device, host = (None if v is None else tuple(v[cut - self.ps:cut])
-                                    for v in values)
-                    found[Key(tokens[:end], child.key.extra_key)] = (
-                        device, host, data.lock_ref, stamps)
-                stack.append((child, tokens))
+        for node, keys in self._walk():
+            data = node.component_data[self.full]
+            values: list[Sequence[int] | None] = [
+                None if v is None else v.tolist() for v in (data.value, data.host_value)]
+            stamps = Stamps(node.hit_count, UnifiedClock.tick_of(node.last_access_time),
+                            UnifiedClock.tick_of(node.creation_time), node.priority)
+            for index, key in enumerate(keys):
+                cut = slice(index * self.ps, (index + 1) * self.ps)
+                device, host = (None if v is None else tuple(v[cut]) for v in values)
+                found[key] = (device, host, data.lock_ref, stamps)
         return found
 
     def totals(self) -> tuple[int, ...]:
@@ -183,7 +190,8 @@ class HostReference(PythonReference):
     (spec/07r "The host tier"): the cache is built as ``sglang_unified.build`` builds
     it, and the host tier's calls are mirrored too: the backups an insert queues
     (``flush_pending_backups``, DEV-26), their acknowledgement, a load back and its
-    start, its acknowledgement, host eviction."""
+    start, its acknowledgement, host eviction. Its host lock counts stand in for the
+    Rust core's, which no accessor shows (DEV-R3)."""
 
     def _build(self, scenario: Scenario) -> None:
         built = build(self.env, scenario, "python")
@@ -231,6 +239,16 @@ class HostReference(PythonReference):
             tokens[:0] = node.key.token_ids
             node = node.parent
         return Key(tuple(tokens), namespace)
+
+    def host_locks(self) -> dict[Key, int]:
+        """Each page's host lock count less the locks its loads in flight hold on its
+        node (DEV-22, ``sglang_unified.load_host_locks``, as the Python-core adapter
+        reads it): what the spec's ``host_protect`` is before the adapter protects each
+        page of a load's chain (DEV-5)."""
+        held = load_host_locks(self.cache, self.full, self.cache.ongoing_load_back,
+                               v20=False)
+        return {key: node.component_data[self.full].host_lock_ref - held.get(node.id, 0)
+                for node, keys in self._walk() for key in keys}
 
     def totals(self) -> tuple[int, ...]:
         """Evictable and protected tokens, free device slots, free host slots."""

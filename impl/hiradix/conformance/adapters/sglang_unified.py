@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -242,6 +242,30 @@ def to_engine(slots: Sequence[int], ps: int) -> torch.Tensor:
 
 def from_engine(slots: torch.Tensor, ps: int) -> tuple[int, ...]:
     return tuple(s - ps for s in slots.tolist())
+
+
+def load_host_locks(cache: Any, full: Any, loads: Iterable[int], *,
+                    v20: bool) -> dict[int, int]:
+    """DEV-22: per node id, the host locks that the loads ``loads`` (their ack ids),
+    those still in ``cache.ongoing_load_back``, hold on it. Each holds one on the nodes
+    of its segment: its anchor, and on 0.5.23 the nodes up to the receipt's boundary,
+    which a split moves up (0.5.20: the anchor only). An adapter takes these off a node's
+    ``host_lock_ref`` and protects each page of the load's chain instead (DEV-5)."""
+    held: dict[int, int] = {}
+    for ack in loads:
+        if ack not in cache.ongoing_load_back:
+            continue
+        node = cache.tree_core.node_by_id(ack)
+        covered = {node.id}
+        if not v20:
+            boundary = cache.ongoing_load_back[ack].host_lock_params.get_lock_uuid(
+                full, lock_host=True)
+            while node.component_data[full].metadata.get("host_uuid") != boundary:
+                node = node.parent
+                covered.add(node.id)
+        for node_id in covered:
+            held[node_id] = held.get(node_id, 0) + 1
+    return held
 
 
 class SglangUnifiedAdapter(SglangAdapter):
@@ -526,33 +550,17 @@ class SglangUnifiedAdapter(SglangAdapter):
         raise AssertionError(f"{self.name}: a {direction} copy in flight that no operation "
                              f"of the suite issued")
 
-    def _host_lock_segment(self, ack: int) -> set[int]:
-        """The nodes the host lock of load ``ack`` covers (DEV-22): its anchor, and on
-        0.5.23 the nodes up to the receipt's boundary, which a split moves up."""
-        node = self.tree.node_by_id(ack)
-        if self.v20:
-            return {node.id}
-        boundary = self.cache.ongoing_load_back[ack].host_lock_params.get_lock_uuid(
-            self.full, lock_host=True)
-        covered = {node.id}
-        while self._data(node).metadata.get("host_uuid") != boundary:
-            node = node.parent
-            covered.add(node.id)
-        return covered
-
     def _read_host(self, slots: list[int]) -> torch.Tensor:
         return read_host_kv(self.host, slots, self.kv_layout)
 
     def observe(self, model: State) -> State:
         pages: dict[Key, Page] = {}
-        segments = [self._host_lock_segment(ack) for ack in self.loads
-                    if ack in self.cache.ongoing_load_back]
+        held = load_host_locks(self.cache, self.full, self.loads, v20=self.v20)
         for node in self._nodes():
             data = self._data(node)
             device = None if data.value is None else from_engine(data.value, self.ps)
             host = None if data.host_value is None else tuple(data.host_value.tolist())
-            # DEV-22: a load in flight holds one host lock on its anchor's segment.
-            protect = data.host_lock_ref - sum(int(node.id in s) for s in segments)
+            protect = data.host_lock_ref - held.get(node.id, 0)  # DEV-22
             for index, key in enumerate(self._page_keys(node)):
                 cut = slice(index * self.ps, (index + 1) * self.ps)
                 pages[key] = Page(
