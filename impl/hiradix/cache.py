@@ -488,10 +488,10 @@ class HiRadixCache:
         # or repeated iff its page is (a node owns whole pages), the partial tail's
         # included.
         rest = heads[end // self.page_size:]
-        low, high = torch.aminmax(rest)
-        if int(low) < 0 or int(high) >= self.device_pool.num_slots:
-            return False
-        if bool(self._device_owned.index_select(0, rest).any()):
+        try:  # a CPU index_select checks the range itself: cheaper than aminmax and two ints
+            if bool(self._device_owned.index_select(0, rest).any()):
+                return False
+        except IndexError:  # a slot out of range (the device pool's and this tensor's)
             return False
         return self.device_pool.allocator.held_once(rest)
 
@@ -589,21 +589,24 @@ class HiRadixCache:
 
     def _backup(self, run: list[TreeNode]) -> bool:
         """Back up ``run`` (a chain, root-most first) all or nothing, in one copy."""
-        need = sum(len(n.tokens) for n in run)
+        single = len(run) == 1  # the common case, without generators or lists
+        need = len(run[0].tokens) if single else sum(len(n.tokens) for n in run)
         victims = self._make_host_room(need)
         host = self._agreed_alloc(self.host_pool, need, "backup alloc")
         if host is None:
             self._record_backup(victims, None)
             return False
-        if len(run) == 1:  # the common case: the allocation is the node's own tensor
+        if single:  # the allocation is the node's own tensor
             run[0].host = host
+            source = run[0].device
+            assert source is not None
         else:
             start = 0
             for node in run:
                 node.host = host[start:start + len(node.tokens)].clone()
                 start += len(node.tokens)
-        sources = [n.device for n in run if n.device is not None]
-        source = sources[0] if len(sources) == 1 else torch.cat(sources)
+            sources = [n.device for n in run if n.device is not None]
+            source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("d2h", source, host)
         self._add_lock(run[-1], +1)  # the device source must outlive the copy
         self._issued += 1
