@@ -3,7 +3,10 @@
 A pool's slots are the integers ``0 .. num_slots - 1`` (one slot holds one token's KV);
 they are handed out and taken back in whole pages of ``page_size`` consecutive slots, page
 ``p`` being slots ``[p * page_size, (p + 1) * page_size)``. Bookkeeping is per page, so
-``alloc`` and ``free`` cost O(pages), and slot tensors are built with ``torch.arange``.
+``alloc`` and ``free`` cost O(pages), and slot tensors are built with one ``torch.add``.
+Internally a page goes by its first slot (its *head*, ``p * page_size``), not by ``p``:
+the slots of a run are then its head plus ``0 .. page_size - 1``, and a run's head is
+one slice of the slots, with no division (issue 13).
 
 Every check runs before any change: a call that raises ``SlotError`` leaves the allocator
 (and the pool using it) exactly as it was.
@@ -86,21 +89,24 @@ class PageAllocator:
         self._num_slots = num_slots
         self._page_size = page_size
         self._offsets = torch.arange(page_size, dtype=torch.int64)
-        # 1 per allocated page, 0 per free one: ``release`` subtracts 1 per page it is
-        # given and checks for zeros, which finds a page released twice (in one call or
-        # across calls) and a page never allocated with three tensor ops (index_add_,
-        # index_select, equal; issue 13).
-        self._held = torch.zeros(num_slots // page_size, dtype=torch.int32)
+        # Indexed by slot: 1 at the head of each allocated page, 0 everywhere else (a free
+        # page's head and every slot that is no head). ``release`` subtracts 1 per head it
+        # is given and checks for zeros, which finds a page released twice (in one call
+        # or across calls), a page never allocated and a run that does not start at a
+        # page start (its "head" is no head, so always 0) with three tensor ops
+        # (index_add_, index_select, equal; issue 13). One int32 per slot: a pool's KV
+        # is far more per slot.
+        self._held = torch.zeros(num_slots, dtype=torch.int32)
         self._ones = torch.ones(num_slots // page_size, dtype=torch.int32)
         self._zeros = torch.zeros(num_slots // page_size, dtype=torch.int32)
         # (ones, zeros) of each length up to UNIT_VIEWS, sliced once (a slice costs
         # about as much as the op that uses it).
         self._units: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # For ``repeated``: a position per page (no state: overwritten by every call) and
+        # For ``repeated``: a position per slot (no state: overwritten by every call) and
         # the positions 0, 1, 2, ... it compares with.
-        self._scratch = torch.zeros(num_slots // page_size, dtype=torch.int32)
+        self._scratch = torch.zeros(num_slots, dtype=torch.int32)
         self._positions = torch.arange(num_slots // page_size, dtype=torch.int32)
-        # The free pages as a stack in one int64 tensor: ``_stack[_top:]``, its top at
+        # The free pages' heads as a stack in one int64 tensor: ``_stack[_top:]``, its top at
         # ``_top``, growing downwards so that pages keep their order on the way in and
         # out. ``alloc`` and ``free`` are a slice each, not a Python list turned into a
         # tensor (which cost ~20 ns a page: most of an insert's time, issue 13).
@@ -131,7 +137,7 @@ class PageAllocator:
     def reset(self) -> None:
         """Free every page; the next ``alloc`` starts again from page 0."""
         self._held.zero_()
-        torch.arange(self.num_pages, dtype=torch.int64, out=self._stack)
+        torch.arange(0, self._num_slots, self._page_size, dtype=torch.int64, out=self._stack)
         self._top = 0
 
     def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
@@ -141,11 +147,19 @@ class PageAllocator:
             return pages
         return torch.add(self._offsets, pages.unsqueeze(1), alpha=self._page_size).view(-1)
 
-    def _push(self, pages: torch.Tensor) -> None:
-        """Put ``pages`` on the free stack, the first one on top: the next ``alloc``
-        hands them out first, in this order."""
-        count = pages.numel()
-        self._stack[self._top - count:self._top] = pages
+    def slots_from(self, heads: torch.Tensor) -> torch.Tensor:
+        """Each of ``heads`` (int64 slots) followed by its next ``page_size - 1`` slots:
+        the slots of the pages whose heads they are (one op cheaper than ``slots_of``);
+        ``heads`` itself when a page is one slot."""
+        if self._page_size == 1:
+            return heads
+        return torch.add(self._offsets, heads.unsqueeze(1)).view(-1)
+
+    def _push(self, heads: torch.Tensor) -> None:
+        """Put the pages of ``heads`` on the free stack, the first one on top: the next
+        ``alloc`` hands them out first, in this order."""
+        count = heads.numel()
+        self._stack[self._top - count:self._top] = heads
         self._top -= count
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
@@ -160,14 +174,14 @@ class PageAllocator:
             return None
         if count == 0:
             return torch.empty(0, dtype=torch.int64)
-        pages = self._stack[self._top:self._top + count]  # a view of the stack
+        heads = self._stack[self._top:self._top + count]  # a view of the stack
         self._top += count
-        self._held.index_fill_(0, pages, 1)
+        self._held.index_fill_(0, heads, 1)
         # The caller's own tensor: a later free overwrites this part of the stack.
-        return pages.clone() if self._page_size == 1 else self.slots_of(pages)
+        return heads.clone() if self._page_size == 1 else self.slots_from(heads)
 
     def _check_free(self, slots: object) -> torch.Tensor:
-        """Validate a ``free`` argument; return its page ids (int64, CPU)."""
+        """Validate a ``free`` argument; return its pages' heads (int64, CPU)."""
         if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
             raise SlotError("slots", f"must be a 1-D torch.int64 tensor, got {describe(slots)}")
         if slots.device.type == "meta":
@@ -189,26 +203,25 @@ class PageAllocator:
             raise SlotError("slots", f"entries [{index * size}, {(index + 1) * size}) "
                                      f"= {groups[index].tolist()} are not one page's slots "
                                      "in order")
-        pages = first // size
-        held = self._held[pages] != 0
+        held = self._held[first] != 0
         if not bool(held.all()):
-            page = int(pages[~held][0])
+            page = int(first[~held][0]) // size
             raise SlotError("slots", f"page {page} (slots from {page * size}) is not allocated "
                                      "(double free, or never allocated)")
-        values, counts = torch.unique(pages, return_counts=True)
+        values, counts = torch.unique(first, return_counts=True)
         if bool((counts > 1).any()):
-            page = int(values[counts > 1][0])
+            page = int(values[counts > 1][0]) // size
             raise SlotError("slots", f"page {page} appears more than once (double free)")
-        return pages
+        return first
 
     def free(self, slots: torch.Tensor) -> None:
         """Return whole pages, given as their slots (any page order, each page's slots in
         order); the whole call is checked before any page is freed."""
-        pages = self._check_free(slots)
-        if pages.numel() == 0:
+        heads = self._check_free(slots)
+        if heads.numel() == 0:
             return
-        self._held.index_fill_(0, pages, 0)
-        self._push(pages)
+        self._held.index_fill_(0, heads, 0)
+        self._push(heads)
 
     def release(self, slots: torch.Tensor) -> None:
         """Return whole pages that their owner (the cache's tree) knows are its own: no
@@ -220,42 +233,45 @@ class PageAllocator:
         the asserts cost a few tensor ops per operation, not per node."""
         size = self._page_size
         if size == 1:
-            pages = slots  # every slot is a whole page
+            heads = slots  # every slot is a whole page
         else:
             assert slots.numel() % size == 0, "released slots that are not whole pages in order"
-            pages = slots[::size] // size
-            # Equal to its pages' slots: each run of ``size`` starts at a page start
-            # (the page times ``size``) and goes on in order.
-            assert torch.equal(slots, self.slots_of(pages)), \
+            heads = slots[::size]
+            # Each run of ``size`` goes on in order from its head; that the head starts a
+            # page is the count check's (a slot that is no head has count 0).
+            assert torch.equal(slots, self.slots_from(heads)), \
                 "released slots that are not whole pages in order"
-        count = pages.numel()
-        assert count <= self._held.numel(), "released a page twice in one call"
+        count = heads.numel()
+        assert count <= self._ones.numel(), "released a page twice in one call"
         held = self._held
         ones, zeros = self._unit(count)
-        held.index_add_(0, pages, ones, alpha=-1)
+        held.index_add_(0, heads, ones, alpha=-1)
         # Every count back to 0, or one went to -1 (torch.equal: cheaper than any()).
-        if not torch.equal(held.index_select(0, pages), zeros):  # undo, explain
-            held.index_add_(0, pages, ones)
-            assert not self.repeated(pages), "released a page twice in one call"
+        if not torch.equal(held.index_select(0, heads), zeros):  # undo, explain
+            held.index_add_(0, heads, ones)
+            assert not bool(heads.remainder(size).any()), \
+                "released slots that are not whole pages in order"
+            assert not self.repeated(heads), "released a page twice in one call"
             raise AssertionError("released a page that is not allocated")
-        self._push(pages)
+        self._push(heads)
 
-    def repeated(self, pages: torch.Tensor) -> bool:
-        """Whether a page id of ``pages`` (int64, each in range) occurs twice: each page
-        records its position in ``pages``; a repeated page kept only one of its positions,
-        so reading the positions back differs. Three ops, O(len(pages)), no sort."""
-        count = pages.numel()
-        if count > self._positions.numel():  # more than there are pages: a page repeats
+    def repeated(self, slots: torch.Tensor) -> bool:
+        """Whether a slot of ``slots`` (int64, each in range; page heads, say) occurs
+        twice: each slot records its position in ``slots``; a repeated one kept only one
+        of its positions, so reading the positions back differs. Three ops,
+        O(len(slots)), no sort. Only called with at most one slot per page's worth."""
+        count = slots.numel()
+        if count > self._positions.numel():  # more than there are pages: one repeats
             return True
         positions = self._positions[:count]
-        self._scratch.index_copy_(0, pages, positions)
-        return not torch.equal(self._scratch.index_select(0, pages), positions)
+        self._scratch.index_copy_(0, slots, positions)
+        return not torch.equal(self._scratch.index_select(0, slots), positions)
 
     def allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """A bool per slot of ``slots`` (in range, int64): whether its page is allocated."""
         # index_select, not indexing: on a busy machine a parallel gather waited ms.
-        pages = slots if self._page_size == 1 else slots // self._page_size
-        return self._held.index_select(0, pages) != 0
+        heads = slots if self._page_size == 1 else slots - slots.remainder(self._page_size)
+        return self._held.index_select(0, heads) != 0
 
     def _unit(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``count`` ones and ``count`` zeros (int32, count <= num_pages)."""
@@ -266,18 +282,19 @@ class PageAllocator:
                 self._units[count] = unit
         return unit
 
-    def held_once(self, pages: torch.Tensor) -> bool:
-        """Whether every page of ``pages`` (int64 page ids, in range) is allocated and
-        none occurs twice: with 1 taken from each page's count, every count is 0 (a
-        repeated or free page's went below). The counts are restored."""
-        count = pages.numel()
-        if count > self._held.numel():  # more than there are pages: a page repeats
+    def held_once(self, heads: torch.Tensor) -> bool:
+        """Whether every slot of ``heads`` (int64, in range) is the head of an allocated
+        page and none occurs twice: with 1 taken from each one's count, every count is 0
+        (a repeated or free page's, or a slot's that is no head, went below). The counts
+        are restored."""
+        count = heads.numel()
+        if count > self._ones.numel():  # more than there are pages: a page repeats
             return False
         held = self._held
         ones, zeros = self._unit(count)
-        held.index_add_(0, pages, ones, alpha=-1)
-        once = torch.equal(held.index_select(0, pages), zeros)
-        held.index_add_(0, pages, ones)
+        held.index_add_(0, heads, ones, alpha=-1)
+        once = torch.equal(held.index_select(0, heads), zeros)
+        held.index_add_(0, heads, ones)
         return once
 
     def is_allocated(self, slot: int) -> bool:
@@ -285,11 +302,11 @@ class PageAllocator:
         check_int(slot, "slot", minimum=0)
         if slot >= self._num_slots:
             raise SlotError("slot", f"slot {slot} is out of range [0, {self._num_slots})")
-        return bool(self._held[slot // self._page_size])
+        return bool(self._held[slot - slot % self._page_size])
 
     def free_slots(self) -> frozenset[int]:
         """Every free slot id (O(free slots); meant for invariant checks)."""
-        return frozenset(self.slots_of(self._stack[self._top:]).tolist())
+        return frozenset(self.slots_from(self._stack[self._top:]).tolist())
 
 
 class SlotPool:

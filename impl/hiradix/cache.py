@@ -382,21 +382,37 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def _check_whole_pages(self, slots: torch.Tensor) -> torch.Tensor:
-        """spec/03, R7: each run of P positions (and the partial tail) is the slots of one
-        page, in order. The tree, copies and ``release`` are page-granular, so anything
-        else would free one page twice and leak another (issue 16). One comparison with
-        what whole pages would be: each run's first slot's page, as slots (the partial
-        tail compares with its page's first slots). Returns those pages, one per run
-        (``slots`` itself at page size 1), for the checks that follow."""
+    def _check_runs(self, slots: torch.Tensor) -> torch.Tensor:
+        """The first half of spec/03, R7 (each run of P positions, and the partial tail,
+        is the slots of one page in order): each run goes on in order from its first
+        slot. One comparison with what such runs would be (the partial tail compares
+        with its run's first slots). Returns each run's first slot (``slots`` itself at
+        page size 1), for the checks that follow; that these start pages is
+        ``_check_page_starts``'s (or ``held_once``'s: a slot that starts no page is no
+        allocated page's head)."""
         size = self.page_size
         if size == 1:
             return slots
-        pages = slots[::size] // size
-        whole = self.device_pool.allocator.slots_of(pages)
+        heads = slots[::size]
+        whole = self.device_pool.allocator.slots_from(heads)
         if torch.equal(slots, whole if len(slots) % size == 0 else whole[:len(slots)]):
-            return pages
-        for start in range(0, len(slots), size):  # only on failure: find and explain
+            return heads
+        self._explain_not_whole_pages(slots)
+        raise AssertionError("unreachable: the vectorised check and the loop disagree")
+
+    def _check_page_starts(self, slots: torch.Tensor, heads: torch.Tensor) -> None:
+        """The rest of R7: each run's first slot (``heads``) starts a page. The tree,
+        copies and ``release`` are page-granular, so anything else would free one page
+        twice and leak another (issue 16)."""
+        if self.page_size > 1 and bool(heads.remainder(self.page_size).any()):
+            self._explain_not_whole_pages(slots)
+            raise AssertionError("unreachable: the vectorised check and the loop disagree")
+
+    def _explain_not_whole_pages(self, slots: torch.Tensor) -> None:
+        """Raise ``InvalidArgument`` at the first run of ``slots`` that is not one
+        page's slots in order (only on failure: a loop)."""
+        size = self.page_size
+        for start in range(0, len(slots), size):
             run = slots[start:start + size].tolist()
             if run[0] % size:
                 raise InvalidArgument(f"slots[{start}]", f"starts a page run at slot {run[0]}, "
@@ -408,7 +424,6 @@ class HiRadixCache:
                                           f"{run[0] + offset}: slots[{start}:{start + size}] = "
                                           f"{run} are not one page's slots in order; caller "
                                           "slots must be whole pages in order (spec/03, R7)")
-        raise AssertionError("unreachable: the vectorised check and the loop disagree")
 
     def _check_insert_slots(self, slots: torch.Tensor,
                             walked: list[tuple[TreeNode, int]]) -> None:
@@ -417,10 +432,11 @@ class HiRadixCache:
         tree scan; ownership and duplicates are checked only where the slots are not the
         cache's own (a node's slots are distinct and owned, so a caller's slot can equal
         none of them), which keeps a long shared prefix cheap."""
-        pages = self._check_whole_pages(slots)
-        if self._insert_slots_plainly_valid(slots, pages, walked):
+        heads = self._check_runs(slots)
+        if self._insert_slots_plainly_valid(slots, heads, walked):
             return
         # The general case, and every failure (explained here, slot by slot).
+        self._check_page_starts(slots, heads)
         reuse = torch.zeros(len(slots), dtype=torch.bool)
         start = 0
         for node, matched in walked:
@@ -445,14 +461,15 @@ class HiRadixCache:
         if torch.unique(others).numel() != len(others):
             raise InvalidArgument("slots", "holds a slot twice")
 
-    def _insert_slots_plainly_valid(self, slots: torch.Tensor, pages: torch.Tensor,
+    def _insert_slots_plainly_valid(self, slots: torch.Tensor, heads: torch.Tensor,
                                     walked: list[tuple[TreeNode, int]]) -> bool:
         """The common case of ``_check_insert_slots`` in a few tensor ops: the slots
         start with the cache's own for the walked device run (what ``match_prefix``
         returned) and the rest, past it, are distinct slots the caller holds. True only
         if so; False sends the caller to the general check, which finds any error.
-        ``pages``: the page of each run of ``slots``, which are whole pages in order
-        (``_check_whole_pages``), so the rest is checked page by page."""
+        ``heads``: the first slot of each run of ``slots``, each run in order from it
+        (``_check_runs``), so the rest is checked run by run: True implies each run is a
+        whole page too (``held_once`` finds a head that starts no page)."""
         own: list[torch.Tensor] = []
         end = 0
         for node, matched in walked:
@@ -466,19 +483,17 @@ class HiRadixCache:
             return False
         if end == len(slots):
             return True
-        # Whole pages in order (``end`` is a page multiple): a slot is in range, held by
-        # the caller, owned by a node or repeated iff its page is (a node owns whole
-        # pages), the partial tail's included.
-        size = self.page_size
-        rest = pages[end // size:]
-        low, high = torch.aminmax(rest)
-        allocator = self.device_pool.allocator
-        if int(low) < 0 or int(high) >= allocator.num_pages:
+        # Runs in order from their heads (``end`` is a page multiple): once the heads
+        # start allocated pages, a slot is in range, held by the caller, owned by a node
+        # or repeated iff its page is (a node owns whole pages), the partial tail's
+        # included.
+        rest = heads[end // self.page_size:]
+        try:  # a CPU index_select checks the range itself: cheaper than aminmax and two ints
+            if bool(self._device_owned.index_select(0, rest).any()):
+                return False
+        except IndexError:  # a slot out of range (the device pool's and this tensor's)
             return False
-        starts = rest if size == 1 else slots[end::size]
-        if bool(self._device_owned.index_select(0, starts).any()):
-            return False
-        return allocator.held_once(rest)
+        return self.device_pool.allocator.held_once(rest)
 
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
@@ -574,21 +589,24 @@ class HiRadixCache:
 
     def _backup(self, run: list[TreeNode]) -> bool:
         """Back up ``run`` (a chain, root-most first) all or nothing, in one copy."""
-        need = sum(len(n.tokens) for n in run)
+        single = len(run) == 1  # the common case, without generators or lists
+        need = len(run[0].tokens) if single else sum(len(n.tokens) for n in run)
         victims = self._make_host_room(need)
         host = self._agreed_alloc(self.host_pool, need, "backup alloc")
         if host is None:
             self._record_backup(victims, None)
             return False
-        if len(run) == 1:  # the common case: the allocation is the node's own tensor
+        if single:  # the allocation is the node's own tensor
             run[0].host = host
+            source = run[0].device
+            assert source is not None
         else:
             start = 0
             for node in run:
                 node.host = host[start:start + len(node.tokens)].clone()
                 start += len(node.tokens)
-        sources = [n.device for n in run if n.device is not None]
-        source = sources[0] if len(sources) == 1 else torch.cat(sources)
+            sources = [n.device for n in run if n.device is not None]
+            source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("d2h", source, host)
         self._add_lock(run[-1], +1)  # the device source must outlive the copy
         self._issued += 1

@@ -111,6 +111,9 @@ class HostKVPool(SlotPool):
         self.bytes_per_token = device_pool.bytes_per_token
         self.pinned = pinned
         self.kv = torch.empty(self._buffer_shape(), dtype=self.dtype, pin_memory=pinned).zero_()
+        # ``_row_plan``'s cache: the device pool it was made for, and the plan.
+        self._plan_for: DeviceKVPool | None = None
+        self._plan: RowPlan | None = None
 
     @classmethod
     def for_device(cls, device_pool: DeviceKVPool, *, ratio: float | None = None,
@@ -274,20 +277,31 @@ class HostKVPool(SlotPool):
         cache, copying slots its allocators handed out): CPU int64 slot tensors of equal
         length, in range, no host slot twice; a pool of this geometry. Validated once at
         the public boundary, not again on every internal hop (issue 13)."""
-        if self._rows_match(device_pool, layer):
-            _copy_rows(device_pool.kv, device_slots, self.kv, host_slots)
+        plan = None if layer is not None else self._row_plan(device_pool)
+        if plan is not None:
+            plan.copy(plan.device, device_slots, plan.host, host_slots)
             return
         self.land(self._begin(device_pool, device_slots, host_slots, layer, non_blocking))
 
-    def _rows_match(self, pool: DeviceKVPool, layer: int | None) -> bool:
-        """Whether a whole copy can go row to row, with no staging: both tensors on the
-        CPU in the same slot-major layout (the common CPU case, and the fast one)."""
-        if layer is not None or pool.device.type != "cpu" or self.layout != "layer_first":
-            return False
+    def _row_plan(self, pool: DeviceKVPool) -> RowPlan | None:
+        """How a whole copy goes row to row with ``pool``, with no staging; None unless
+        both buffers are on the CPU in the same slot-major layout (the common CPU case,
+        and the fast one). Worked out once per device pool (neither buffer is ever
+        replaced): the shapes and views cost more than a small copy (issue 13)."""
+        if self._plan_for is not pool:
+            self._plan = self._make_row_plan(pool)
+            self._plan_for = pool
+        return self._plan
+
+    def _make_row_plan(self, pool: DeviceKVPool) -> RowPlan | None:
+        if pool.device.type != "cpu" or self.layout != "layer_first":
+            return None
         slot_axis = 2 if self.kv_layout == "mha" else 1
         mine, theirs = list(self.kv.shape), list(pool.kv.shape)
         del mine[slot_axis], theirs[slot_axis]
-        return mine == theirs
+        if mine != theirs:
+            return None
+        return RowPlan.of(pool.kv, self.kv)
 
     def copy_to_device(self, device_pool: DeviceKVPool, host_slots: torch.Tensor,
                        device_slots: torch.Tensor, layer: int | None = None,
@@ -319,8 +333,9 @@ class HostKVPool(SlotPool):
                                  ) -> tuple[torch.Tensor, ...]:
         """``copy_to_device`` without its argument checks (as for
         ``copy_from_device_unchecked``; here no device slot twice)."""
-        if on_layer is None and self._rows_match(pool, layer):
-            _copy_rows(self.kv, host, pool.kv, device)
+        plan = None if on_layer is not None or layer is not None else self._row_plan(pool)
+        if plan is not None:
+            plan.copy(plan.host, host, plan.device, device)
             return ()
         index = pool.to_index(device)
         staged = self._gather(host, layer).contiguous()  # so each layer is one DMA
@@ -349,19 +364,32 @@ class HostKVPool(SlotPool):
 ONE_OP_BYTES = 4 << 20
 
 
-def _copy_rows(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
-               dst_slots: torch.Tensor) -> None:
-    """``dst[..., dst_slots, ...] = src[..., src_slots, ...]`` over every layer (and K/V)
-    plane of two slot-major CPU buffers: one ``index_copy_`` over all planes for a small
-    copy, else plane by plane (the slot axis then leads, about 2.5x faster than one
-    index_copy_ on a middle axis of the whole tensor, or a staged, permuted copy)."""
-    planes = src.dim() - (3 if src.dim() == 5 else 2)  # MHA [L, 2, S, H, D]; MLA [L, S, C]
-    src_planes = src.flatten(0, planes - 1) if planes > 1 else src
-    dst_planes = dst.flatten(0, planes - 1) if planes > 1 else dst
-    shape = src_planes.shape  # [planes, slots, *row]: no indexing op for a row's size
-    row_bytes = math.prod(shape[2:]) * src.element_size()
-    if shape[0] * len(src_slots) * row_bytes <= ONE_OP_BYTES:
-        dst_planes.index_copy_(1, dst_slots, src_planes.index_select(1, src_slots))
-        return
-    for index in range(src_planes.shape[0]):
-        dst_planes[index].index_copy_(0, dst_slots, src_planes[index].index_select(0, src_slots))
+@dataclass(frozen=True)
+class RowPlan:
+    """Row-to-row copies between a device and a host buffer, both slot-major on the
+    CPU: each viewed as ``[planes, slots, *row]`` (a plane per layer, and K/V), and the
+    most slots a copy moves in one op (``ONE_OP_BYTES``)."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    one_op_slots: int
+
+    @classmethod
+    def of(cls, device_kv: torch.Tensor, host_kv: torch.Tensor) -> RowPlan:
+        planes = device_kv.dim() - (3 if device_kv.dim() == 5 else 2)  # MHA [L, 2, S, H, D];
+        device = device_kv.flatten(0, planes - 1) if planes > 1 else device_kv  # MLA [L, S, C]
+        host = host_kv.flatten(0, planes - 1) if planes > 1 else host_kv
+        plane_bytes = device.shape[0] * math.prod(device.shape[2:]) * device_kv.element_size()
+        return cls(device, host, ONE_OP_BYTES // max(plane_bytes, 1))
+
+    def copy(self, src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
+             dst_slots: torch.Tensor) -> None:
+        """``dst[:, dst_slots] = src[:, src_slots]`` (``src``/``dst``: this plan's two
+        views): one ``index_copy_`` over all planes for a small copy, else plane by plane
+        (the slot axis then leads, about 2.5x faster than one index_copy_ on a middle
+        axis of the whole tensor, or a staged, permuted copy)."""
+        if len(src_slots) <= self.one_op_slots:
+            dst.index_copy_(1, dst_slots, src.index_select(1, src_slots))
+            return
+        for index in range(src.shape[0]):
+            dst[index].index_copy_(0, dst_slots, src[index].index_select(0, src_slots))
