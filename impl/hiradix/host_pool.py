@@ -338,23 +338,49 @@ class HostKVPool(SlotPool):
             plan.copy(plan.host, host, plan.device, device)
             return ()
         index = pool.to_index(device)
-        staged = self._gather(host, layer).contiguous()  # so each layer is one DMA
-        if pool.device.type == "cuda" and non_blocking:
-            staged = staged.pin_memory()
+        slot_axis = None
+        if pool.device.type == "cuda" and non_blocking and self.layout == "layer_first":
+            staged, slot_axis = self._stage_slot_major(host, layer)
+        else:
+            staged = self._gather(host, layer).contiguous()  # so each layer is one DMA
+            if pool.device.type == "cuda" and non_blocking:
+                staged = staged.pin_memory()
         keep: list[torch.Tensor] = [index, staged]
-        if on_layer is None:
-            values = staged.to(pool.device, non_blocking=non_blocking)
-            pool.scatter(index, values, layer)
+        mha = int(self.kv_layout == "mha")
+
+        def enqueue(part: torch.Tensor, axis: int | None, into: int | None) -> None:
+            """DMA ``part`` (its slot axis ``axis`` where it is in the host buffer's order,
+            None where in the values') and scatter it into layer ``into`` (None: all)."""
+            values = part.to(pool.device, non_blocking=non_blocking)
+            pool.scatter(index, values if axis is None else values.movedim(axis, axis - mha),
+                         into)
             keep.append(values)
+
+        if on_layer is None:
+            enqueue(staged, slot_axis, layer)
             return tuple(keep)
         layers = [layer] if layer is not None else list(range(self.layers))
+        # One layer of an all-layer staging has its slot axis one lower.
+        part_axis = None if slot_axis is None else slot_axis - int(layer is None)
         for current in layers:
-            part = staged if layer is not None else staged[current]
-            values = part.to(pool.device, non_blocking=non_blocking)
-            pool.scatter(index, values, current)
-            keep.append(values)
+            enqueue(staged if layer is not None else staged[current], part_axis, current)
             on_layer(current)
         return tuple(keep)
+
+    def _stage_slot_major(self, host: torch.Tensor, layer: int | None
+                          ) -> tuple[torch.Tensor, int]:
+        """The rows of ``host`` (one layer or all) gathered straight into pinned staging
+        in the ``layer_first`` buffer's own axis order, and the slot axis there: one
+        ``index_select``, no permuting copy and no second copy to pin it. For a copy to
+        CUDA, where the values' order is a view: the permute and the pinning copy had cost
+        about ten times the DMA (issue 13, ``bench_transfer`` on an H200)."""
+        buffer = self.kv if layer is None else self.kv[layer]
+        dim = int(layer is None) + int(self.kv_layout == "mha")  # as in gather_slot_major
+        shape = list(buffer.shape)
+        shape[dim] = host.numel()
+        staged = torch.empty(shape, dtype=self.dtype, pin_memory=True)
+        torch.index_select(buffer, dim, host, out=staged)
+        return staged, dim
 
 
 # Up to this many bytes a row copy is one gather and one scatter over every plane at
