@@ -140,16 +140,9 @@ class PageAllocator:
         torch.arange(0, self._num_slots, self._page_size, dtype=torch.int64, out=self._stack)
         self._top = 0
 
-    def slots_of(self, pages: torch.Tensor) -> torch.Tensor:
-        """The slot ids of ``pages`` (int64 page ids), page by page, each page in order:
-        ``pages`` itself when a page is one slot."""
-        if self._page_size == 1:
-            return pages
-        return torch.add(self._offsets, pages.unsqueeze(1), alpha=self._page_size).view(-1)
-
     def slots_from(self, heads: torch.Tensor) -> torch.Tensor:
         """Each of ``heads`` (int64 slots) followed by its next ``page_size - 1`` slots:
-        the slots of the pages whose heads they are (one op cheaper than ``slots_of``);
+        the slots of the pages whose heads they are;
         ``heads`` itself when a page is one slot."""
         if self._page_size == 1:
             return heads

@@ -207,24 +207,21 @@ class SglangRustHicacheAdapter(SglangRustAdapter):
     _in_flight = SglangAdapter._in_flight
 
     def writing_check(self) -> int:
-        acked = SglangAdapter.writing_check(self)
-        if self.reference is not None:
-            self._agree_in_flight("writing_check", self.cache.ongoing_write_through,
-                                  self.reference.writing_check)
-        return acked
+        return self._mirrored("writing_check", SglangAdapter.writing_check(self),
+                              self.cache.ongoing_write_through, HostReference.writing_check)
 
     def loading_check(self) -> int:
-        done = SglangAdapter.loading_check(self)
-        if self.reference is not None:
-            self._agree_in_flight("loading_check", self.cache.ongoing_load_back,
-                                  self.reference.loading_check)
-        return done
+        return self._mirrored("loading_check", SglangAdapter.loading_check(self),
+                              self.cache.ongoing_load_back, HostReference.loading_check)
 
-    def _agree_in_flight(self, check: str, ongoing: Mapping[int, Any],
-                         mirrored: Callable[[], int]) -> None:
-        """The same check on the reference leaves as many copies in flight."""
-        assert self.reference is not None
-        self.reference.agree(f"{check}: copies in flight after it", len(ongoing), mirrored())
+    def _mirrored(self, check: str, done: int, ongoing: Mapping[int, Any],
+                  on_reference: Callable[[HostReference], int]) -> int:
+        """``done`` (what ``check`` acknowledged), once the same check on the reference
+        leaves as many copies in flight."""
+        if self.reference is not None:
+            self.reference.agree(f"{check}: copies in flight after it", len(ongoing),
+                                 on_reference(self.reference))
+        return done
 
     def init_load_back(self, page: Key | None,
                        quota: int | None) -> tuple[tuple[int, ...], Key | None]:
