@@ -107,9 +107,11 @@ REACHED = ("attach_storage", "detach_storage", "query_storage_hit_length",
 
 
 def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:
+    # Derandomized: a reach test must not depend on the draw (random runs of 60
+    # examples missed the prefetch I/O once on 0.5.20, in a CI run without CI=true).
     tally = Tally()
     run_state_machine_as_test(machine_class(Scenario(page_size=1), tally),
-                              settings=bounded(60))
+                              settings=settings(bounded(60), derandomize=True))
     missing = [op for op in REACHED if not tally.ops[op]]
     assert not missing, (missing, dict(tally.ops))
 
