@@ -34,7 +34,19 @@ def _tree(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
             if slots is not None and (slots.dtype != torch.int64 or slots.dim() != 1
                                       or slots.numel() != len(node.tokens)):
                 found.append(f"{node!r}: {tier} slots are not one int64 per token")
+            elif (slots is not None and len(node.tokens) % ps == 0
+                  and not _whole_pages_in_order(slots, ps)):
+                # Release trusts this and checks page heads only (_slots.release).
+                found.append(f"{node!r}: {tier} slots {slots.tolist()} are not whole pages "
+                             "in order (R7)")
     return found
+
+
+def _whole_pages_in_order(slots: torch.Tensor, page_size: int) -> bool:
+    runs = slots.view(-1, page_size)
+    heads = runs[:, :1]
+    return not bool((heads % page_size).any()) and torch.equal(
+        runs, heads + torch.arange(page_size, dtype=torch.int64))
 
 
 def _resident(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:

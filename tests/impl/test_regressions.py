@@ -19,7 +19,7 @@ from hiradix.conformance.machine import make_machine
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.storage_machine import make_storage_machine
 from hiradix.conformance.tally import Tally
-from hiradix.errors import InvalidArgument, SlotError
+from hiradix.errors import InvalidArgument, InvariantViolation, SlotError
 from hiradix.keys import RadixKey
 from hiradix.storage.tier import TierSettings
 from hiradix.transfer import ControlledCopyEngine
@@ -167,6 +167,28 @@ def test_a_page_repeated_within_one_free_or_release() -> None:
         allocator.release(torch.tensor([0, 2, 1, 3], dtype=torch.int64))  # not whole pages
     assert allocator.num_free_slots == 4
     allocator.release(slots)
+    assert allocator.num_free_slots == 8
+
+
+def test_a_copy_out_of_page_order_is_found_by_check_invariants_not_release() -> None:
+    # #13: release checks page heads only (their counts find a run that starts no
+    # page, a page twice, a free page); the slots behind a head are the audit's.
+    cache = Scenario(page_size=4).build(ManualClock(), None)
+    slots = cache.device_pool.alloc(8)
+    assert slots is not None and slots.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    cache.insert(RadixKey(tuple(range(1, 9))), slots)
+    cache.check_invariants()
+    node = cache.nodes()[0]
+    assert node.device is not None
+    node.device = node.device[[0, 1, 3, 2, 4, 5, 6, 7]]  # a slip: same pages, same slots
+    with pytest.raises(InvariantViolation) as raised:
+        cache.check_invariants()
+    assert raised.value.spec_id == "INV-TREE-WELL-FORMED"
+    assert "not whole pages in order" in str(raised.value)
+    allocator = PageAllocator(8, 4)
+    taken = allocator.alloc(8)
+    assert taken is not None
+    allocator.release(taken[[0, 1, 3, 2, 4, 5, 6, 7]])  # heads 0 and 4: accepted
     assert allocator.num_free_slots == 8
 
 
