@@ -8,7 +8,8 @@ device-only rows), and ``UnifiedRadixCache`` with HiCache on its Python tree cor
 and 0.5.23) and on its Rust tree core (0.5.23) -- so machine noise hits all of them
 alike. A request is what a scheduler does: match, load back a host hit, lock, evict the
 shortfall, allocate, insert, free the duplicates, unlock, acknowledge copies. Each call
-is timed on its own; the table gives the mean and the median time per call of each
+is timed on its own (the acknowledging checks too, and insert with them: engines move a
+backup's bytes in one or the other); the table gives the mean and the median time per call of each
 operation, and SGLang's time over ours for both (above 1: ours is faster), plus the tree's
 metadata bytes per cached token. Medians are the figure to compare: on a shared machine
 one scheduler stall moves a mean by tens of percent and a median by a few. Every engine
@@ -51,7 +52,12 @@ from hiradix.host_pool import HostKVPool
 from hiradix.keys import RadixKey
 from hiradix.transfer import make_engine
 
-OPS = ("match_prefix", "insert", "evict", "load_back")
+OPS = ("match_prefix", "insert", "evict", "load_back", "checks", "insert+checks")
+# Where a backup's bytes move differs: ours copies in insert, SGLang's HiRadixCache in
+# writing_check (its start_writing). "checks" times each request's writing_check and
+# loading_check; "insert+checks" a request's insert and its checks together, the whole
+# write path, so that the insert rows can be read like for like.
+HOST_OPS = ("load_back", "checks", "insert+checks")
 # The same KV shape for every engine (SGLang's pools are built by its adapter with these):
 # insert and load-back move the bytes, so the rows compare the same copies.
 LAYERS, HEADS, HEAD_DIM, DTYPE = 2, 2, 2, torch.float16
@@ -101,6 +107,10 @@ class Timings:
         result = call()
         self.samples[op].append(time.perf_counter() - start)
         return result
+
+    def total(self, op: str, *parts: str) -> None:
+        """One sample of ``op``: the sum of the latest sample of each of ``parts``."""
+        self.samples[op].append(sum(self.samples[part][-1] for part in parts))
 
     def calls(self, op: str) -> int:
         return len(self.samples[op])
@@ -152,8 +162,9 @@ class Ours:
             if len(extra):
                 self.pool.free(extra)
         c.dec_lock_ref(node)
-        c.writing_check()
-        c.loading_check()
+        t.timed("checks", lambda: (c.writing_check(), c.loading_check()))
+        if new is not None:
+            t.total("insert+checks", "insert", "checks")
 
     def evict_tokens(self, n: int) -> None:
         self.t.timed("evict", lambda: self.cache.evict(n))
@@ -230,8 +241,9 @@ class Sglang:
                 alloc.free(extra)
         c.dec_lock_ref(node)
         if self.hier:
-            c.writing_check()
-            c.loading_check()
+            t.timed("checks", lambda: (c.writing_check(), c.loading_check()))
+            if new is not None:
+                t.total("insert+checks", "insert", "checks")
 
     def metadata(self, build: Callable[[], None]) -> tuple[int, int]:
         nodes = self.adapter._nodes
@@ -320,8 +332,9 @@ class Unified:
             if len(tail):
                 alloc.free(tail)
         c.dec_lock_ref(receipt.node_id, receipt.to_dec_params())
-        c.writing_check()
-        c.loading_check()
+        t.timed("checks", lambda: (c.writing_check(), c.loading_check()))
+        if new is not None:
+            t.total("insert+checks", "insert", "checks")
 
     def metadata(self, build: Callable[[], None]) -> tuple[int, int] | None:
         """The Python core's heap as for the others; None for the Rust core, whose nodes
@@ -393,7 +406,7 @@ def _metadata(build: Callable[[], None], tensors: Callable[[], list[tuple[Any, A
     return grown + storage, tokens()
 
 
-DEVICE_ONLY = ("sglang-radix",)  # engines without a host tier: no load_back row
+DEVICE_ONLY = ("sglang-radix",)  # engines without a host tier: no HOST_OPS rows
 
 
 def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
@@ -411,7 +424,7 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
             engine.serve(engine_keys[index], len(request))
     for op in OPS:
         for other in others:
-            if op == "load_back" and other.name in DEVICE_ONLY:
+            if op in HOST_OPS and other.name in DEVICE_ONLY:
                 continue
             rows.append([str(page_size), op, other.name, *_per_call(ours.t, op),
                          *_per_call(other.t, op), _ratio(ours.t.mean(op), other.t.mean(op)),
