@@ -311,8 +311,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 device_victims=victims(list(choice.device_victims)) if choice else (),
                 device_slots=choice.device_slots if choice else None)
             self.agree((tuple(loaded.tolist()), self.page_of(used)), result)
-            # Not scribbled yet: init_load_back returns the very tensor its copy in
-            # flight and the loaded nodes hold (test_regressions, issue 17, xfail).
+            scribble(loaded)  # the caller's to reuse (issue 17: it was the copy's own)
 
         # -- the operations ------------------------------------------------------------
 
