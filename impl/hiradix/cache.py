@@ -29,7 +29,7 @@ from hiradix.distributed import LocalSync, RankSync
 from hiradix.errors import ConfigError, ForeignNode, InvalidArgument, NotLocked, SlotError
 from hiradix.events import EventKind, EventSink, KVEvent, Medium
 from hiradix.host_pool import HostKVPool, HostLayout
-from hiradix.keys import RadixKey, common_pages
+from hiradix.keys import TOKEN_BYTES, RadixKey, common_pages
 from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
 from hiradix.transfer import Direction, EngineKind, TransferEngine, make_engine
 from hiradix.tree import TreeNode, split
@@ -339,12 +339,12 @@ class HiRadixCache:
         """The nodes along ``key`` (without splitting) and how many tokens of each match."""
         walked = []
         node, start = self.root, 0
-        tokens = key.tokens
+        tokens, packed = key.tokens, key.packed
         while start < stop_at:
             child = node.children.get((key.namespace, tokens[start:start + self.page_size]))
             if child is None:
                 break
-            matched = common_pages(child.tokens, tokens, start, self.page_size, stop_at)
+            matched = common_pages(child.packed, packed, start, self.page_size, stop_at)
             walked.append((child, matched))
             if matched < len(child.tokens):
                 break
@@ -566,7 +566,8 @@ class HiRadixCache:
     def _add_leaf(self, key: RadixKey, parent: TreeNode, start: int, end: int,
                   slots: torch.Tensor, now: int, priority: int, hits: int) -> TreeNode:
         """A new node for ``key.tokens[start:end]`` under ``parent``."""
-        node = TreeNode(self, key.namespace, key.tokens[start:end], parent, now, priority)
+        node = TreeNode(self, key.namespace, key.tokens[start:end], parent, now, priority,
+                        packed=key.packed[start * TOKEN_BYTES:end * TOKEN_BYTES])
         node.hits = hits
         parent.children[(key.namespace, node.tokens[:self.page_size])] = node
         self._set_device(node, slots[start:end].clone())

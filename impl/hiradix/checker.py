@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hiradix.errors import InvariantViolation
+from hiradix.keys import pack
 from hiradix.tree import TreeNode
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ def _tree(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
             found.append(f"{node!r}: segment length {len(node.tokens)} is not a page multiple")
         if parent is None or parent.children.get((node.namespace, node.tokens[:ps])) is not node:
             found.append(f"{node!r}: not reachable from its parent under its child key")
+        if node.packed != pack(node.tokens):  # what matching compares (keys.common_pages)
+            found.append(f"{node!r}: its packed tokens are not its tokens")
         for tier, slots in (("device", node.device), ("host", node.host)):
             if slots is not None and (slots.dtype != torch.int64 or slots.dim() != 1
                                       or slots.numel() != len(node.tokens)):

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from hiradix.keys import ChildKey
+from hiradix.keys import TOKEN_BYTES, ChildKey, pack
 
 _ids = itertools.count(1)
 
@@ -29,16 +29,21 @@ class TreeNode:
         "lock_ref",
         "namespace",
         "owner",
+        "packed",
         "parent",
         "priority",
         "tokens",
     )
 
     def __init__(self, owner: object, namespace: str | None, tokens: tuple[int, ...],
-                 parent: TreeNode | None, tick: int = 0, priority: int = 0) -> None:
+                 parent: TreeNode | None, tick: int = 0, priority: int = 0,
+                 packed: bytes | None = None) -> None:
         self.owner = owner  # the cache this node belongs to (foreign-node checks)
         self.namespace = namespace
         self.tokens = tokens  # this node's segment, a whole number of pages
+        # The segment packed for matching (keys.common_pages); a caller that holds the
+        # key's packed bytes passes their slice, which saves packing again.
+        self.packed = pack(tokens) if packed is None else packed
         self.parent = parent
         self.children: dict[ChildKey, TreeNode] = {}
         self.device: torch.Tensor | None = None  # int64 device slots, one per token
@@ -89,7 +94,9 @@ def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
     assert 0 < at < len(node.tokens) and at % page_size == 0, (at, len(node.tokens))
     parent = node.parent
     assert parent is not None
-    upper = TreeNode(node.owner, node.namespace, node.tokens[:at], parent)
+    cut = at * TOKEN_BYTES
+    upper = TreeNode(node.owner, node.namespace, node.tokens[:at], parent,
+                     packed=node.packed[:cut])
     upper.lock_ref = node.lock_ref
     upper.host_ref = node.host_ref
     upper.hits = node.hits
@@ -104,6 +111,7 @@ def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
         node.host = node.host[at:].clone()
     parent.children[(node.namespace, node.tokens[:page_size])] = upper
     node.tokens = node.tokens[at:]
+    node.packed = node.packed[cut:]
     node.parent = upper
     upper.children[(node.namespace, node.tokens[:page_size])] = node
     return upper

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hiradix.keys import RadixKey, common_pages
+from hiradix.keys import RadixKey, common_pages, pack
 from hiradix.tree import TreeNode, split
 
 
@@ -23,14 +23,20 @@ def slow_common_pages(a: tuple[int, ...], b: tuple[int, ...], page_size: int) ->
 def test_common_pages_agrees_with_the_page_by_page_definition(
         segment: tuple[int, ...], key: tuple[int, ...], start: int, page_size: int) -> None:
     start = min(start, len(key))
-    assert common_pages(segment, key, start, page_size) == slow_common_pages(
+    assert common_pages(pack(segment), pack(key), start, page_size) == slow_common_pages(
         segment, key[start:], page_size)
+    stop = len(key) - 1
+    if start <= stop:  # a bound short of the key's end
+        assert common_pages(pack(segment), pack(key), start, page_size, stop) == \
+            slow_common_pages(segment, key[start:stop], page_size)
 
 
 def test_common_pages_on_a_long_shared_prefix() -> None:
     prompt = tuple(range(100_000))
-    assert common_pages(prompt, (*prompt, 1), 0, 16) == 100_000 - 100_000 % 16
-    assert common_pages(prompt, (*prompt[:50_000], -1), 0, 1) == 50_000
+    assert common_pages(pack(prompt), pack((*prompt, 1)), 0, 16) == 100_000 - 100_000 % 16
+    assert common_pages(pack(prompt), pack((*prompt[:50_000], -1)), 0, 1) == 50_000
+    # From an offset, the segment running past the key's end: only whole pages count.
+    assert common_pages(pack(prompt[7:]), pack(prompt), 7, 4) == 99_992
 
 
 def test_aligned_length_drops_the_partial_tail_page() -> None:
@@ -48,6 +54,7 @@ def test_split_keeps_counters_and_the_lower_part_keeps_the_object() -> None:
     upper = split(node, 2, page_size=2)
     assert root.children[("ns", (1, 2))] is upper and upper.children[("ns", (3, 4))] is node
     assert node.tokens == (3, 4) and upper.tokens == (1, 2)
+    assert node.packed == pack((3, 4)) and upper.packed == pack((1, 2))
     assert upper.device.tolist() == [10, 11] and node.device.tolist() == [12, 13]
     assert upper.host.tolist() == [0, 1] and node.host.tolist() == [2, 3]
     for attribute in ("lock_ref", "host_ref", "hits", "last_tick", "insert_tick", "priority",

@@ -55,7 +55,7 @@ from hiradix._slots import is_int
 from hiradix.cache import HiRadixCache
 from hiradix.clock import Clock, ManualClock, MonotonicClock
 from hiradix.events import EventKind, KVEvent
-from hiradix.keys import RadixKey
+from hiradix.keys import TOKEN_BYTES, RadixKey
 from hiradix.storage.backend import StorageBackend
 from hiradix.storage.config import PREFETCH_POLICIES, PrefetchPolicy, StorageConfig
 from hiradix.storage.errors import StorageArgumentError
@@ -700,9 +700,11 @@ class StorageTier:
             cache.host_pool.release(freed)
         if not insert:
             return 0
-        tokens = key.tokens[(prefetch.anchor + walked) * size:(prefetch.anchor + landed) * size]
+        first, end = (prefetch.anchor + walked) * size, (prefetch.anchor + landed) * size
+        tokens = key.tokens[first:end]
         node = TreeNode(cache, key.namespace, tokens, parent, now,
-                        parent.priority if parent is not cache.root else 0)
+                        parent.priority if parent is not cache.root else 0,
+                        packed=key.packed[first * TOKEN_BYTES:end * TOKEN_BYTES])
         node.host = keep.clone()
         parent.children[(key.namespace, tokens[:size])] = node
         cache._refresh_around(node)
