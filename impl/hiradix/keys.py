@@ -22,21 +22,22 @@ TokenIds = tuple[int, ...] | list[int] | range | torch.Tensor  # what RadixKey a
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-TOKEN_BYTES = 8  # a packed token: a native int64
+TOKEN_BYTES = 8  # a packed token: a native int64 (array "q")
+assert array("q").itemsize == TOKEN_BYTES
 
 
-def pack(tokens: tuple[int, ...]) -> bytes:
+def pack(tokens: tuple[int, ...] | list[int]) -> bytes:
     """``tokens`` (ints in the int64 range) as native int64 bytes, for ``common_pages``."""
     return array("q", tokens).tobytes()
 
 
-def _checked_tokens(tokens: object) -> tuple[int, ...]:
-    """``tokens`` as a tuple of Python ints in the int64 range; raise ``InvalidArgument``
-    naming ``tokens`` (or ``tokens[i]``) otherwise.
+def _checked_tokens(tokens: object) -> tuple[tuple[int, ...], bytes]:
+    """``tokens`` as a tuple of Python ints in the int64 range, and packed (``pack``);
+    raise ``InvalidArgument`` naming ``tokens`` (or ``tokens[i]``) otherwise.
 
-    The fast path (a tuple or list of plain ints) is three C-level passes: the set of the
-    element types, then min and max. Everything else takes the slow path, which also
-    finds the first bad token for the message.
+    The fast path (a tuple or list of plain ints) is two C-level passes: the set of the
+    element types, then packing, which refuses an int outside the int64 range. Everything
+    else takes the slow path, which also finds the first bad token for the message.
     """
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype not in _INTEGER_DTYPES:
@@ -45,17 +46,21 @@ def _checked_tokens(tokens: object) -> tuple[int, ...]:
                                             "tensor")
         if tokens.device.type == "meta":
             raise InvalidArgument("tokens", "a tensor on the meta device holds no values")
-        return tuple(tokens.tolist())  # an integer dtype is in the int64 range
+        as_tuple = tuple(tokens.tolist())  # an integer dtype is in the int64 range
+        return as_tuple, pack(as_tuple)
     if type(tokens) is tuple or type(tokens) is list:
         if not tokens:
-            return ()
-        if set(map(type, tokens)) == {int} and min(tokens) >= INT64_MIN \
-                and max(tokens) <= INT64_MAX:
-            return tuple(tokens)
+            return (), b""
+        if set(map(type, tokens)) == {int}:
+            try:
+                return tuple(tokens), pack(tokens)
+            except OverflowError:
+                pass  # the slow path names the token
     elif isinstance(tokens, range):
         if tokens and not (min(tokens) >= INT64_MIN and max(tokens) <= INT64_MAX):
             raise InvalidArgument("tokens", f"{tokens!r} leaves the int64 range")
-        return tuple(tokens)
+        as_tuple = tuple(tokens)
+        return as_tuple, pack(as_tuple)
     elif not isinstance(tokens, tuple | list):
         raise InvalidArgument("tokens", f"must be a tuple, list, range or 1-D integer tensor "
                                         f"of token ids, got {type(tokens).__name__}")
@@ -72,7 +77,7 @@ def _checked_tokens(tokens: object) -> tuple[int, ...]:
         if not INT64_MIN <= value <= INT64_MAX:
             raise InvalidArgument(f"tokens[{index}]", f"{value} is outside the int64 range")
         checked.append(value)
-    return tuple(checked)
+    return tuple(checked), pack(checked)
 
 
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
@@ -93,10 +98,10 @@ class RadixKey:
         if namespace is not None and not isinstance(namespace, str):
             raise InvalidArgument("namespace", f"must be a str or None, got "
                                                f"{type(namespace).__name__}")
-        checked = _checked_tokens(tokens)
+        checked, packed = _checked_tokens(tokens)
         object.__setattr__(self, "tokens", checked)
         object.__setattr__(self, "namespace", namespace)
-        object.__setattr__(self, "packed", pack(checked))
+        object.__setattr__(self, "packed", packed)
 
     def aligned_length(self, page_size: int) -> int:
         """Tokens that fill whole pages; the partial tail page is never cached."""
