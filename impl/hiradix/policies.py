@@ -8,6 +8,8 @@ pages. Smaller ranks are evicted first.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
+from operator import attrgetter
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
@@ -26,20 +28,17 @@ def backup_threshold(policy: WritePolicy) -> int | None:
     return {"write_through": 1, "write_through_selective": 2}.get(policy)
 
 
-def rank(strategy: Strategy, node: TreeNode) -> tuple[int, ...]:
-    if strategy == "lru":
-        return (node.last_tick,)
-    if strategy == "lfu":
-        return (node.hits, node.last_tick)
-    if strategy == "fifo":
-        return (node.insert_tick,)
-    if strategy == "mru":
-        return (-node.last_tick,)
-    if strategy == "filo":
-        return (-node.insert_tick,)
-    if strategy == "priority":
-        return (node.priority, node.last_tick)
-    return (int(node.hits >= SLRU_PROTECTED_HITS), node.last_tick)
+# A node's eviction key per strategy: its rank (spec/04), then its id, which breaks ties.
+# attrgetter builds the tuple in C, where the order pops and requeues most (issue 13).
+KEYS: dict[str, Callable[[TreeNode], tuple[int, ...]]] = {
+    "lru": attrgetter("last_tick", "id"),
+    "lfu": attrgetter("hits", "last_tick", "id"),
+    "fifo": attrgetter("insert_tick", "id"),
+    "mru": lambda node: (-node.last_tick, node.id),
+    "filo": lambda node: (-node.insert_tick, node.id),
+    "priority": attrgetter("priority", "last_tick", "id"),
+    "slru": lambda node: (int(node.hits >= SLRU_PROTECTED_HITS), node.last_tick, node.id),
+}
 
 
 # Strategies whose rank of a node never decreases while it lives: every field they read
@@ -47,7 +46,7 @@ def rank(strategy: Strategy, node: TreeNode) -> tuple[int, ...]:
 # rise, insert_tick is fixed). MRU's (-last_tick) falls with every touch.
 MONOTONE: frozenset[str] = frozenset({"lru", "lfu", "fifo", "filo", "priority", "slru"})
 
-Entry = tuple[tuple[tuple[int, ...], int], "TreeNode"]
+Entry = tuple[tuple[int, ...], "TreeNode"]
 
 
 class EvictionOrder:
@@ -71,10 +70,8 @@ class EvictionOrder:
         self.members = members
         self._incremental = strategy in MONOTONE
         self._heap: list[Entry] = []
-        self._live: dict[TreeNode, tuple[tuple[int, ...], int]] = {}
-
-    def _key(self, node: TreeNode) -> tuple[tuple[int, ...], int]:
-        return rank(self.strategy, node), node.id
+        self._live: dict[TreeNode, tuple[int, ...]] = {}
+        self._key = KEYS[strategy]
 
     def rebuild(self) -> None:
         """One entry per member, with its current key."""
