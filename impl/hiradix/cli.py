@@ -336,7 +336,9 @@ def summary(tally: Tally, covered: set[Scenario], total: int, seconds: float,
     injected = {k: v for k, v in sorted(tally.faults.items())
                 if ":" in k and not k.endswith(":untaken") and v}
     if injected:
-        print("storage faults taken: " + ", ".join(f"{k}={v}" for k, v in injected.items()))
+        untaken = sum(v for k, v in tally.faults.items() if k.endswith(":untaken"))
+        print("storage faults injected: " + ", ".join(f"{k}={v}" for k, v in injected.items())
+              + f"; left untaken when their example ended: {untaken}")
     if tally.swarm:
         print("swarm (examples per draw): " + ", ".join(
             f"{k}={v}" for k, v in sorted(tally.swarm.items())))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -16,6 +17,7 @@ from hiradix.conformance.storage_machine import make_storage_machine
 from hiradix.conformance.tally import Tally
 from hiradix.storage import ControlledBackend, MemoryBackend, StorageError
 from hiradix.storage.hashing import page_hashes
+from hiradix.storage.io import StorageIO
 from hiradix_model import Key
 
 from stats import SUMMARY
@@ -48,6 +50,9 @@ def test_the_runs_exercised_storage_and_faults() -> None:
                  "progress: timed out while the I/O ran"):
         assert TALLY.ops[name] > 0, (name, dict(TALLY.ops))
     assert sum(FAULTS.values()) > 0
+    # Issue 17: foreign exceptions and interrupts reach the I/O, not only StorageErrors.
+    for fault in ("get:runtime_error", "set:os_error", "interrupt:reached run_io"):
+        assert FAULTS[fault] > 0, (fault, dict(FAULTS))
     # Issue 15: the rare states the swarm, the small hosts and the short timeouts reach.
     for state in ("host full", "host pages all protected", "prefetch in flight",
                   "storage write in flight", "branching host-only subtree", THREADED_IO_STEP):
@@ -169,3 +174,51 @@ def test_a_call_never_let_through_fails_naming_the_wait() -> None:
     thread.join(5)
     assert len(errors) == 2 and "refused" in str(errors[1]), errors
     assert backend.waiting("exists") == 0
+
+
+def interrupted_write(machine: Any) -> None:
+    """A request served, its host copy acknowledged, its storage write queued (not run),
+    then ``interrupt_io``: the write's batch call raises an interrupt at its first page."""
+    machine.request(TOKENS, None, dt=0, chunked=False, priority=0, keep_lock=False,
+                    quota=None)
+    engine = machine.cache.engine
+    engine.complete("d2h", engine.queued("d2h"))
+    machine.writing_check()
+    machine.refines_the_model()
+    assert machine.io_pending() and not machine.threaded
+    machine.interrupt_io()
+
+
+def test_an_interrupted_write_still_gets_its_failed_result() -> None:
+    """Issue 17: an interrupt (a BaseException, not an Exception) in a storage write is
+    re-raised to the caller only after its operation's failed result was posted, so the
+    write ends (nothing stored, its pages' protection released) as a raise would."""
+    seen: Counter[str] = Counter()
+    machine = make_storage_machine(Scenario(), None, seen)()
+    interrupted_write(machine)
+    machine.refines_the_model()
+    assert seen["interrupt:reached run_io"] == 1 and seen["set:interrupt"] == 1, dict(seen)
+    assert seen["write reported:raise"] == 1, dict(seen)
+    assert not machine.io_pending()
+    machine.drain()
+    machine.refines_the_model()
+
+
+def test_an_interrupt_that_skips_the_result_leaves_the_write_running(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same steps with _execute posting a result for Exceptions only (the bug the
+    issue plants): the write never ends, which the test above would fail on."""
+    def execute_exceptions_only(io: StorageIO, op: Any) -> None:
+        try:
+            result = io._prefetch(op) if op.kind == "prefetch" else io._backup(op)
+        except Exception as error:
+            io._finish(op, io._failed(op, io._failure(op, error)))
+            return
+        io._finish(op, result)
+
+    monkeypatch.setattr(StorageIO, "_execute", execute_exceptions_only)
+    seen: Counter[str] = Counter()
+    machine = make_storage_machine(Scenario(), None, seen)()
+    interrupted_write(machine)
+    assert seen["interrupt:reached run_io"] == 1, dict(seen)
+    assert seen["write reported:raise"] == 0 and machine.io_pending(), dict(seen)
