@@ -527,9 +527,15 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             acked = self.cache.loading_check()
             self.step("loading_check", ops.loading_check, acked)
 
-        @rule(index=st.integers(0, 63), quota=st.none() | st.integers(0, 24))
-        def load_back(self, index: int, quota: int | None) -> None:
-            nodes = sorted((n for n in self.cache.nodes() if n.device is None),
+        @rule(index=st.integers(0, 63), quota=st.none() | st.integers(0, 24),
+              leaf=st.booleans())
+        def load_back(self, index: int, quota: int | None, leaf: bool = False) -> None:
+            """A host-only node loaded back. ``leaf``: one that host eviction may take (a
+            host leaf), so that a load which makes room on a full device (under
+            write_back, by copying its victims to a full host) meets its own pages among
+            the host victims: they must be protected before it makes room."""
+            leaves = self.cache.host_leaves if leaf else None
+            nodes = sorted(leaves or (n for n in self.cache.nodes() if n.device is None),
                            key=lambda n: n.id)
             if nodes:
                 self.load_both(nodes[index % len(nodes)], quota)
