@@ -58,6 +58,26 @@ def test_load_back_protects_its_host_source() -> None:
     state.teardown()
 
 
+def test_a_load_protects_its_host_pages_before_it_makes_room() -> None:
+    # Injected bug: load_back protected its chain's host pages only after making room on
+    # the device, so that the write_back victims' copies to a full host evicted a page the
+    # load was about to read (torch.cat of no sources). Shrunk by pytest (issue 15).
+    state = make_machine(Scenario(page_size=4, write_policy="write_back", eviction="lru",
+                                  host_layout="layer_first", kv_layout="mla"))()
+    state.swarm(seed=1)
+    state.evict(num_tokens=0)
+    state.grow_branches(evict_host_pages=0, namespace=None, stem_pages=2, tail_pages=2,
+                        tails=[1, 2, 3])
+    state.refines_the_model()
+    state.request_again(evict_first=0, index=0, quota=None, settle=False)
+    state.refines_the_model()
+    state.scrambled_insert_slots(how="interleaved", namespace=None, tokens=(1, 1, 1, 1))
+    state.refines_the_model()
+    state.load_back(index=0, leaf=False, quota=None)
+    state.refines_the_model()
+    state.teardown()
+
+
 def test_backup_source_stays_locked_until_acknowledged() -> None:
     # Injected bug: the backup's source node was not locked, so it could be evicted (and
     # its slots reused) while the copy was in flight.
