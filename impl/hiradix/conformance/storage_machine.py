@@ -70,8 +70,9 @@ FAULTS: dict[str, tuple[str, ...]] = {
     "get": ("raise", "short", "corrupt", "die"),
     "set": ("raise", "short", "die"),
 }
-# What a broken backend raises instead of a StorageError (#17): the batch call restates an
-# Exception as one after its leading pages (an interrupt goes through it: interrupt_io).
+# What a broken backend raises instead of a StorageError (#17), injected into every
+# operation: the batch call restates such an Exception as a StorageError after its leading
+# pages (an interrupt goes through it: interrupt_io).
 FOREIGN_FAULTS = ("runtime_error", "os_error", "memory_error")
 # Short timeouts (a few ticks), so that they fire while the I/O runs; the cap at or
 # above the base (a cap below it is refused as a typo).
@@ -103,9 +104,9 @@ def first_settings(rng: random.Random) -> TierSettings:
 
 
 STORAGE_SWARM_RULES: tuple[str, ...] = (
-    "attach", "detach", "reattach", "clear", "inject", "inject_foreign", "interrupt_io", "query",
-    "prefetch", "bad_anchor", "store", "cycle", "squeeze", "run_io", "progress", "terminate",
-    "abort", "pop_loaded", "drain")
+    "attach", "detach", "reattach", "clear", "inject", "interrupt_io", "query", "prefetch",
+    "bad_anchor", "store", "cycle", "squeeze", "run_io", "progress", "terminate", "abort",
+    "pop_loaded", "drain")
 ANCHOR_MISUSE = ("device only", "not on the key", "removed")
 # Threaded I/O: the backend calls each I/O thread makes (the gate tells them apart by
 # operation), and the bounds on every wait (a thread that never comes fails the step).
@@ -371,23 +372,14 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
         @precondition(lambda self: self.tier.attached)
         # Plain integers, not st.data(): a shrunk failure prints them, so its
         # reproducer replays (a data draw prints as ``data(...)``).
-        @rule(operation=st.sampled_from(sorted(FAULTS)), kind=st.integers(0, 5),
+        @rule(operation=st.sampled_from(sorted(FAULTS)), kind=st.integers(0, 6),
               at_page=st.integers(0, 3), go=st.integers(0, 2))
         def inject(self, operation: str, kind: int, at_page: int, go: int) -> None:
             if go:
                 return
-            kinds = FAULTS[operation]
+            kinds = FAULTS[operation] + FOREIGN_FAULTS
             if self.backend.queued_faults(operation) < 2:  # type: ignore[arg-type]
                 self.queue_fault(operation, kinds[kind % len(kinds)], at_page)
-
-        @precondition(lambda self: self.tier.attached)
-        @rule(operation=st.sampled_from(sorted(FAULTS)), kind=st.sampled_from(FOREIGN_FAULTS),
-              at_page=st.integers(0, 3), go=st.integers(0, 2))
-        def inject_foreign(self, operation: str, kind: str, at_page: int, go: int) -> None:
-            """A foreign exception for the next ``operation`` batch call, which the batch
-            call restates as a StorageError (backend.py)."""
-            if not go and self.backend.queued_faults(operation) < 2:  # type: ignore[arg-type]
-                self.queue_fault(operation, kind, at_page)
 
         @precondition(lambda self: not self.threaded and self.io_pending()
                       and not self.backend.queued_faults("get")
