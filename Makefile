@@ -25,7 +25,7 @@ install_torch = { $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),{ $(1)/pip in
 	--no-index $(TORCH_PIN) 2>/dev/null && $(1)/pip install -q $(TORCH_PIN); } ||) \
 	$(1)/pip install -q $(TORCH_PIN) --extra-index-url $(TORCH_INDEX); }
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml setup.py impl/hiradix/_pagebits.c | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(call install_torch,$(BIN))
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
@@ -35,9 +35,15 @@ setup: $(VENV)/.installed
 check: setup
 	$(BIN)/hiradix check
 
-# pytest under coverage.py: branch coverage of impl/ is reported after the tests.
+# pytest under coverage.py: branch coverage of impl/ is reported after the tests. The
+# whole suite runs on the bookkeeping core the install built (C where a compiler was found,
+# hiradix._slots.core); the pool, cache, transfer, regression and conformance tests run a
+# second time on the torch one (HIRADIX_CORE=python), the readable version of the same checks.
+PYTHON_CORE_TESTS := tests/impl/test_pools.py tests/impl/test_cache.py \
+	tests/impl/test_transfer.py tests/impl/test_regressions.py tests/impl/test_conformance.py
 test: setup
 	$(BIN)/python -m coverage run -m pytest
+	HIRADIX_CORE=python $(BIN)/python -m coverage run --append -m pytest -q $(PYTHON_CORE_TESTS)
 	$(BIN)/python -m coverage report --precision=1 | tail -n 30
 	$(MAKE) --no-print-directory crosshair lint
 

@@ -14,11 +14,23 @@ Every check runs before any change: a call that raises ``SlotError`` leaves the 
 
 from __future__ import annotations
 
+import os
+from types import ModuleType
+from typing import Literal
+
 import torch
 
-from hiradix.errors import SlotError
+from hiradix.errors import ConfigError, SlotError
 
-__all__ = ["PageAllocator", "SlotError", "SlotPool"]
+try:  # the C loops (setup.py builds them; absent where no compiler was found)
+    from hiradix import _pagebits
+except ImportError:  # pragma: no cover - only where the extension was not built
+    _pagebits = None
+
+__all__ = ["PageAllocator", "SlotError", "SlotMarks", "SlotPool", "core"]
+
+Core = Literal["native", "python"]
+CORE_VARIABLE = "HIRADIX_CORE"
 
 UNIT_VIEWS = 1024  # lengths whose slices of ones and zeros an allocator keeps
 
@@ -71,6 +83,28 @@ def check_slot_tensor(slots: object, argument: str, num_slots: int, *,
     return cpu
 
 
+def core() -> Core:
+    """The bookkeeping core an allocator built now uses (issue 13): ``native`` (the C loops
+    of ``_pagebits.c``) where they were built, else ``python`` (the torch ops below, the
+    readable version of the same checks). ``HIRADIX_CORE=python`` picks the torch ops even
+    where C is built, so that the conformance suite runs on both; ``HIRADIX_CORE=native``
+    insists on C."""
+    wanted = os.environ.get(CORE_VARIABLE, "")
+    if wanted == "python" or (wanted == "" and _pagebits is None):
+        return "python"
+    if wanted not in ("", "native"):
+        raise ConfigError(CORE_VARIABLE, f"must be 'native' or 'python', got {wanted!r}")
+    if _pagebits is None:
+        raise ConfigError(CORE_VARIABLE, "is 'native' but hiradix._pagebits is not built "
+                                         "(reinstall with a C compiler: pip install -e .)")
+    return "native"
+
+
+def native_core() -> ModuleType | None:
+    """The C module if ``core()`` picks it, else None."""
+    return _pagebits if core() == "native" else None
+
+
 class PageAllocator:
     """Free/allocated bookkeeping for ``num_slots`` slots in pages of ``page_size``.
 
@@ -112,6 +146,11 @@ class PageAllocator:
         # tensor (which cost ~20 ns a page: most of an insert's time, issue 13).
         self._stack = torch.empty(num_slots // page_size, dtype=torch.int64)
         self._top = 0
+        # The C loops, where ``core()`` picks them, over these two buffers (never replaced).
+        self._bits = native_core()
+        self.core: Core = "python" if self._bits is None else "native"
+        self._held_at = self._held.data_ptr()
+        self._stack_at = self._stack.data_ptr()
         self.reset()
 
     @property
@@ -168,8 +207,11 @@ class PageAllocator:
         if count == 0:
             return torch.empty(0, dtype=torch.int64)
         heads = self._stack[self._top:self._top + count]  # a view of the stack
+        if self._bits is not None:
+            self._bits.mark_held(self._held_at, self._stack_at, self._top, count)
+        else:
+            self._held.index_fill_(0, heads, 1)
         self._top += count
-        self._held.index_fill_(0, heads, 1)
         # The caller's own tensor: a later free overwrites this part of the stack.
         return heads.clone() if self._page_size == 1 else self.slots_from(heads)
 
@@ -231,6 +273,9 @@ class PageAllocator:
         every copy (INV-TREE-WELL-FORMED) and every slot's owner (INV-DEVICE-/HOST-POOL-
         CONSERVATION)."""
         size = self._page_size
+        if self._bits is not None:
+            self._release_native(slots)
+            return
         if size == 1:
             heads = slots  # every slot is a whole page
         else:
@@ -239,6 +284,10 @@ class PageAllocator:
             heads = slots[::size]
         count = heads.numel()
         assert count <= self._ones.numel(), "released a page twice in one call"
+        # index_add_ stops at an index out of range with the counts before it changed:
+        # checked first, so that a failed release changes nothing (the C loop checks too).
+        assert count == 0 or (int(heads.min()) >= 0 and int(heads.max()) < self._num_slots), \
+            "released a slot out of range"
         held = self._held
         ones, zeros = self._unit(count)
         held.index_add_(0, heads, ones, alpha=-1)
@@ -250,6 +299,26 @@ class PageAllocator:
             assert not self.repeated(heads), "released a page twice in one call"
             raise AssertionError("released a page that is not allocated")
         self._push(heads)
+
+    def _release_native(self, slots: torch.Tensor) -> None:
+        """``release`` in C: the same checks, in one loop over the heads."""
+        size = self._page_size
+        # The C loop reads raw memory: a CPU int64 tensor, or nothing at all.
+        assert slots.dtype == torch.int64 and slots.is_cpu and slots.dim() == 1
+        assert slots.numel() % size == 0, "released slots that are not whole pages"
+        assert self._bits is not None
+        top = self._bits.release(self._held_at, self._num_slots, self._stack_at, self._top,
+                                 slots.data_ptr(), slots.numel() // size,
+                                 slots.stride(0) * size)
+        if top < 0:  # nothing changed: explain
+            heads = slots[::size]
+            assert not bool(((heads < 0) | (heads >= self._num_slots)).any()), \
+                "released a slot out of range"
+            assert not bool(heads.remainder(size).any()), \
+                "released slots that are not whole pages"
+            assert not self.repeated(heads), "released a page twice in one call"
+            raise AssertionError("released a page that is not allocated")
+        self._top = top
 
     def repeated(self, slots: torch.Tensor) -> bool:
         """Whether a slot of ``slots`` (int64, each in range; page heads, say) occurs
@@ -286,6 +355,10 @@ class PageAllocator:
         count = heads.numel()
         if count > self._ones.numel():  # more than there are pages: a page repeats
             return False
+        if self._bits is not None:
+            assert heads.dtype == torch.int64 and heads.is_cpu and heads.dim() == 1
+            return bool(self._bits.held_once(self._held_at, self._num_slots, heads.data_ptr(),
+                                             count, heads.stride(0)))
         held = self._held
         ones, zeros = self._unit(count)
         held.index_add_(0, heads, ones, alpha=-1)
@@ -303,6 +376,40 @@ class PageAllocator:
     def free_slots(self) -> frozenset[int]:
         """Every free slot id (O(free slots); meant for invariant checks)."""
         return frozenset(self.slots_from(self._stack[self._top:]).tolist())
+
+
+class SlotMarks:
+    """A flag per slot of a pool, set and tested a slot tensor (CPU int64) at a time: the
+    cache's record of which device slots a node owns (issue 12). C loops where ``core()``
+    picks them, else one torch op per call."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.tensor = torch.zeros(num_slots, dtype=torch.bool)
+        self._num_slots = num_slots
+        self._bits = native_core()
+        self._at = self.tensor.data_ptr()
+
+    def set(self, slots: torch.Tensor, value: bool) -> None:
+        """Flag (``value`` True) or unflag every slot of ``slots`` (each in range)."""
+        if self._bits is None:
+            self.tensor.index_fill_(0, slots, value)
+            return
+        assert slots.dtype == torch.int64 and slots.is_cpu and slots.dim() == 1
+        done = self._bits.set_marks(self._at, self._num_slots, slots.data_ptr(),
+                                    slots.numel(), slots.stride(0), value)
+        assert done, "flagged a slot out of range"
+
+    def any(self, slots: torch.Tensor) -> bool | None:
+        """Whether a slot of ``slots`` is flagged; None if one is out of range."""
+        if self._bits is None:
+            try:  # a CPU index_select checks the range itself
+                return bool(self.tensor.index_select(0, slots).any())
+            except IndexError:
+                return None
+        assert slots.dtype == torch.int64 and slots.is_cpu and slots.dim() == 1
+        found = self._bits.any_marked(self._at, self._num_slots, slots.data_ptr(),
+                                      slots.numel(), slots.stride(0))
+        return None if found < 0 else bool(found)
 
 
 class SlotPool:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from hiradix._slots import is_int
+from hiradix._slots import SlotMarks, is_int
 from hiradix.clock import Clock, CountingClock
 from hiradix.config import CacheConfig, KVShape
 from hiradix.decisions import BackupDecision, DeviceVictim, LoadDecision, PageRef, Recorder
@@ -188,7 +188,7 @@ class HiRadixCache:
         self.host_pool.reset()
         self.root = TreeNode(self, None, (), None)  # owns no slots, is never evicted
         # Which device slots a node owns: tells a caller's slot from the tree's in O(1).
-        self._device_owned = torch.zeros(self.device_pool.num_slots, dtype=torch.bool)
+        self._device_owned = SlotMarks(self.device_pool.num_slots)
         self.evictable_tokens = 0
         self.protected_tokens = 0
         self.device_leaves: set[TreeNode] = set()
@@ -233,10 +233,10 @@ class HiRadixCache:
             self._emit("stored" if slots is not None else "removed", "device", node)
         self._count(node, -1)
         if node.device is not None and not releasing:
-            self._device_owned.index_fill_(0, node.device, False)
+            self._device_owned.set(node.device, False)
         node.device = slots
         if slots is not None:
-            self._device_owned.index_fill_(0, slots, True)
+            self._device_owned.set(slots, True)
         self._count(node, +1)
 
     def _emit(self, kind: EventKind, medium: Medium, node: TreeNode) -> None:
@@ -367,18 +367,23 @@ class HiRadixCache:
         """The longest cached page prefix of ``key``; stamps the matched pages (spec/03.2)."""
         key = self._require_key(key)
         now = self._now()
-        nodes = self._descend(key, key.aligned_length(self.page_size))
-        for node in nodes:
+        # One pass over the matched path (issue 13): device nodes come first on it
+        # (INV-DEVICE-PREFIX-CLOSED), the host-only ones after.
+        parts: list[torch.Tensor] = []
+        last_device = last_host = self.root
+        host_hit = 0
+        for node in self._descend(key, key.aligned_length(self.page_size)):
             node.last_tick = now
-        on_device = [n for n in nodes if n.device is not None]
-        with_host = [n for n in nodes if n.host is not None]
-        return MatchResult(
-            device_slots=torch.cat([n.device for n in on_device if n.device is not None])
-            if on_device else EMPTY,
-            last_device_node=on_device[-1] if on_device else self.root,
-            last_host_node=with_host[-1] if with_host else self.root,
-            host_hit_length=sum(len(n.tokens) for n in nodes if n.device is None),
-        )
+            if node.device is not None:
+                parts.append(node.device)
+                last_device = node
+            else:
+                host_hit += len(node.tokens)
+            if node.host is not None:
+                last_host = node
+        # The caller's own tensor (a copy even for one node: issue 17).
+        slots = EMPTY if not parts else parts[0].clone() if len(parts) == 1 else torch.cat(parts)
+        return MatchResult(slots, last_device, last_host, host_hit)
 
     # ------------------------------------------------------------------ insert
 
@@ -452,7 +457,7 @@ class HiRadixCache:
         held = torch.zeros(len(others), dtype=torch.bool)
         safe = others[in_range]
         held[in_range] = (self.device_pool.allocator.allocated(safe)
-                          & ~self._device_owned.index_select(0, safe))
+                          & ~self._device_owned.tensor.index_select(0, safe))
         if not bool(held.all()):
             position = int(positions[int((~held).nonzero()[0])])
             raise InvalidArgument(f"slots[{position}]",
@@ -488,10 +493,7 @@ class HiRadixCache:
         # or repeated iff its page is (a node owns whole pages), the partial tail's
         # included.
         rest = heads[end // self.page_size:]
-        try:  # a CPU index_select checks the range itself: cheaper than aminmax and two ints
-            if bool(self._device_owned.index_select(0, rest).any()):
-                return False
-        except IndexError:  # a slot out of range (the device pool's and this tensor's)
+        if self._device_owned.any(rest) is not False:  # owned, or out of range
             return False
         return self.device_pool.allocator.held_once(rest)
 
@@ -729,6 +731,8 @@ class HiRadixCache:
         victims: list[DeviceVictim] = []
         kept: set[TreeNode] = set()  # write_back victims neither copied nor droppable
         freed: list[torch.Tensor] = []  # device slots, released in one call at the end
+        write_back = self.config.write_policy == "write_back"
+        recorder = self.recorder
         while evicted < target:
             node = order.pop()
             if node is None:
@@ -736,8 +740,8 @@ class HiRadixCache:
             if node in kept:  # popped again after a compaction requeued it
                 continue
             assert node.parent is not None
-            if node.host is not None or self.config.write_policy != "write_back":
-                if self.recorder is not None:  # page refs cost O(prefix) to build
+            if node.host is not None or not write_back:
+                if recorder is not None:  # page refs cost O(prefix) to build
                     victims.extend(DeviceVictim(p) for p in self._page_refs(node))
                 evicted += self._drop_device_copy(node, freed)
             else:
@@ -764,7 +768,7 @@ class HiRadixCache:
         if freed:
             slots = freed[0] if len(freed) == 1 else torch.cat(freed)
             self.device_pool.release(slots)
-            self._device_owned.index_fill_(0, slots, False)
+            self._device_owned.set(slots, False)
 
     def _drop_device_copy(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
         """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
@@ -1003,7 +1007,7 @@ class HiRadixCache:
             bad = int(checked[~in_range][0])
             raise InvalidArgument("slots", f"slot {bad} is out of range "
                                            f"[0, {self.device_pool.num_slots})")
-        owned = self._device_owned[checked]
+        owned = self._device_owned.tensor[checked]
         if bool(owned.any()):
             position = int(owned.nonzero()[0])
             raise InvalidArgument("slots", f"slot {int(checked[position])} (slots[{position}]) "

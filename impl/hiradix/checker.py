@@ -123,7 +123,7 @@ def _device_pool(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     owned = [s for n in nodes if n.device is not None for s in n.device.tolist()]
     found = _ownership(owned, cache.device_pool.free_slots(), cache.device_pool.num_slots,
                        "device")
-    marked = set(cache._device_owned.nonzero().flatten().tolist())
+    marked = set(cache._device_owned.tensor.nonzero().flatten().tolist())
     if marked != set(owned):
         found.append(f"ownership map disagrees with the tree: marked only "
                      f"{sorted(marked - set(owned))}, unmarked {sorted(set(owned) - marked)}")
