@@ -47,3 +47,19 @@ def test_the_bandwidth_rows_compare_each_copy_with_memcpy() -> None:
     assert [r[0].split(" ")[0] for r in rows] == ["memcpy", "backup:", "load_back:"]
     assert rows[0][1] == "1.0"  # 256 tokens of 4 KiB per layer
     assert rows[0][4] == "1.00" and all(float(r[2]) > 0 for r in rows)
+
+
+@pytest.mark.skipif(bench.bookkeeping_core() != "native", reason="hiradix._pagebits is "
+                    "not built here: no C loops to compare with the torch ops")
+def test_the_main_table_times_the_c_loops_against_the_torch_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "competitors", lambda page_size: [])
+    rows: list[list[str]] = []
+    bench.run(16, 0.02, 0, rows)
+    assert {r[2] for r in rows} == {"ours-python-core"}
+    assert [r[1] for r in rows] == list(bench.OPS)
+    # Every operation that ran (a run this small never overflows the device) was timed on
+    # both cores: ours' mean, then the torch core's.
+    ran = {r[1] for r in rows if r[3] != "n/a"}
+    assert ran >= {"match_prefix", "insert", "checks", "insert+checks"}, rows
+    assert ran == {r[1] for r in rows if r[5] != "n/a"}, rows

@@ -19,6 +19,10 @@ are built before the clock starts. On 0.5.23 a match returns node handles, and t
 device slots a scheduler needs are read with ``path_device_indices``: the match row
 times both, as ours returns the slots.
 
+Where ours runs on the C bookkeeping loops (``hiradix._pagebits``), ours on the torch
+ones (``HIRADIX_CORE=python``) is one more engine of the table, ``ours-python-core``: the
+C loops' own speed-up, from the same run.
+
 ``--large`` adds the scaling tables (``bench_scale``): a million cached tokens behind
 shared prefixes of 8-32 k tokens, memory per cached token, and the host copies' share
 of the machine's memcpy bandwidth.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import sys
@@ -42,6 +47,8 @@ from typing import Any, Literal
 
 import torch
 
+from hiradix._slots import CORE_VARIABLE
+from hiradix._slots import core as bookkeeping_core
 from hiradix.cache import HiRadixCache
 from hiradix.clock import CountingClock
 from hiradix.config import CacheConfig
@@ -140,6 +147,23 @@ class Ours:
 
     def key(self, tokens: tuple[int, ...]) -> RadixKey:
         return RadixKey(tokens)
+
+    @classmethod
+    def on_python_core(cls, page_size: int, device_slots: int, host_slots: int) -> Ours:
+        """Ours with the torch bookkeeping (``HIRADIX_CORE=python``): the C loops' own
+        speed-up, measured in the same run as the rest."""
+        saved = os.environ.get(CORE_VARIABLE)
+        os.environ[CORE_VARIABLE] = "python"
+        try:
+            engine = cls(page_size, device_slots, host_slots)
+        finally:
+            if saved is None:
+                del os.environ[CORE_VARIABLE]
+            else:
+                os.environ[CORE_VARIABLE] = saved
+        assert engine.pool.allocator.core == "python"
+        engine.name = "ours-python-core"
+        return engine
 
     def serve(self, key: RadixKey, n: int) -> None:
         c, t = self.cache, self.t
@@ -416,6 +440,8 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
     makers = competitors(page_size)
     ours = Ours(page_size, device, host)
     others = [make(device, host) for make in makers]
+    if ours.pool.allocator.core == "native":  # and the C loops against the torch ops
+        others.append(Ours.on_python_core(page_size, device, host))
     engines: list[Any] = [ours, *others]
     keys = [[e.key(r) for r in stream] for e in engines]
     for index, request in enumerate(stream):
@@ -544,7 +570,7 @@ def main(args: argparse.Namespace) -> int:
             run(page_size, args.scale, args.seed, rows)
         print("\n".join(table(rows)))
         print(f"(seed {args.seed}, scale {args.scale}, page sizes {args.page_sizes}, "
-              f"{torch.get_num_threads()} torch threads, "
+              f"{torch.get_num_threads()} torch threads, our core {bookkeeping_core()}, "
               f"{time.perf_counter() - started:.0f} s; µs per call, calls in brackets; "
               "speed-up = their time / ours, above 1 means ours is faster; compare medians, "
               "means move with scheduler stalls; every engine in the same layout: "
