@@ -30,6 +30,21 @@ static PyObject *mark_held(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* put_back(held, ids, count, stride): held[id] = 1 for each id (undoing take_once). */
+static void put_back(int32_t *held, const int64_t *ids, Py_ssize_t count, Py_ssize_t stride) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        held[ID(i)] = 1;
+}
+
+/* in_range(ids, count, stride, num_slots): whether every id is in [0, num_slots). */
+static int in_range(const int64_t *ids, Py_ssize_t count, Py_ssize_t stride,
+                    Py_ssize_t num_slots) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (ID(i) < 0 || ID(i) >= num_slots)
+            return 0;
+    return 1;
+}
+
 /* take_once(held, num_slots, ids, count, stride): each id must be in range with count 1
  * (an allocated page's head, not yet taken by this call); each is set to 0. Returns -1
  * when all were, else the index of the first that was not, with every count restored. */
@@ -38,8 +53,7 @@ static Py_ssize_t take_once(int32_t *held, Py_ssize_t num_slots, const int64_t *
     for (Py_ssize_t i = 0; i < count; i++) {
         int64_t id = ID(i);
         if (id < 0 || id >= num_slots || held[id] != 1) {
-            for (Py_ssize_t j = 0; j < i; j++)
-                held[ID(j)] = 1;
+            put_back(held, ids, i, stride);
             return i;
         }
         held[id] = 0;
@@ -47,23 +61,97 @@ static Py_ssize_t take_once(int32_t *held, Py_ssize_t num_slots, const int64_t *
     return -1;
 }
 
-/* release(held, num_slots, stack, top, ids, count, stride): every id an allocated page's
- * head, none twice; their counts go to 0 and they are pushed on the free stack below
- * ``top``, the first on top. Returns the new top, or -1 (nothing changed). */
+/* One part of a release: a CPU int64 tensor's slot ids (address, length, stride in
+ * elements). */
+typedef struct {
+    const int64_t *ids;
+    Py_ssize_t count, stride;
+} Part;
+
+#define PARTS_ON_STACK 8
+
+/* The release proper, over parts already read: -1 (nothing changed) or the new top. */
+static Py_ssize_t release_parts(int32_t *held, Py_ssize_t num_slots, int64_t *stack,
+                                Py_ssize_t top, uint8_t *marks, Py_ssize_t page_size,
+                                const Part *parts, Py_ssize_t count) {
+    Py_ssize_t pages = 0;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        if (parts[p].count % page_size)
+            return -1;
+        pages += parts[p].count / page_size;
+        /* Only page heads index ``held`` (take_once checks their range); the other ids
+         * index the marks, if any. At page size 1 every id is a head. */
+        if (marks && page_size > 1 &&
+            !in_range(parts[p].ids, parts[p].count, parts[p].stride, num_slots))
+            return -1;
+    }
+    if (pages > top)
+        return -1;
+    /* Heads are taken part by part; a head repeated in a later part finds its count 0
+     * and fails, so a page twice in one release is caught across parts as within one. */
+    for (Py_ssize_t p = 0; p < count; p++) {
+        if (take_once(held, num_slots, parts[p].ids, parts[p].count / page_size,
+                      parts[p].stride * page_size) >= 0) {
+            for (Py_ssize_t q = 0; q < p; q++)
+                put_back(held, parts[q].ids, parts[q].count / page_size,
+                         parts[q].stride * page_size);
+            return -1;
+        }
+    }
+    Py_ssize_t at = top - pages;
+    for (Py_ssize_t p = 0; p < count; p++) {
+        const int64_t *ids = parts[p].ids;
+        Py_ssize_t stride = parts[p].stride * page_size;
+        for (Py_ssize_t i = 0; i < parts[p].count / page_size; i++)
+            stack[at++] = ID(i);
+        if (marks) {
+            stride = parts[p].stride;
+            for (Py_ssize_t i = 0; i < parts[p].count; i++)
+                marks[ID(i)] = 0;
+        }
+    }
+    return top - pages;
+}
+
+/* release(held, num_slots, stack, top, marks, page_size, parts): ``parts`` a tuple
+ * (address, length, stride, address, length, stride, ...) of slot id runs, each a whole
+ * number of pages in order. Every page head must be an allocated page's, none twice in
+ * the whole call; their counts go to 0 and they are pushed on the free stack below
+ * ``top``, the first on top, in the parts' order. ``marks`` (0: none) is a bool flag per
+ * slot, cleared for every released slot (the cache's ownership flags, in the same call).
+ * Returns the new top, or -1 (nothing changed). */
 static PyObject *release(PyObject *Py_UNUSED(self), PyObject *args) {
-    unsigned long long held_addr, stack_addr, ids_addr;
-    Py_ssize_t num_slots, top, count, stride;
-    if (!PyArg_ParseTuple(args, "KnKnKnn", &held_addr, &num_slots, &stack_addr, &top,
-                          &ids_addr, &count, &stride))
+    unsigned long long held_addr, stack_addr, marks_addr;
+    Py_ssize_t num_slots, top, page_size;
+    PyObject *flat;
+    if (!PyArg_ParseTuple(args, "KnKnKnO!", &held_addr, &num_slots, &stack_addr, &top,
+                          &marks_addr, &page_size, &PyTuple_Type, &flat))
         return NULL;
-    int32_t *held = (int32_t *)(uintptr_t)held_addr;
-    int64_t *stack = (int64_t *)(uintptr_t)stack_addr;
-    const int64_t *ids = (const int64_t *)(uintptr_t)ids_addr;
-    if (count > top || take_once(held, num_slots, ids, count, stride) >= 0)
-        return PyLong_FromSsize_t(-1);
-    for (Py_ssize_t i = 0; i < count; i++)
-        stack[top - count + i] = ID(i);
-    return PyLong_FromSsize_t(top - count);
+    Py_ssize_t items = PyTuple_GET_SIZE(flat);
+    if (items % 3 || page_size < 1) {
+        PyErr_SetString(PyExc_ValueError, "release: parts must be (address, length, stride) "
+                                          "triples and page_size >= 1");
+        return NULL;
+    }
+    Py_ssize_t count = items / 3;
+    Part on_stack[PARTS_ON_STACK];
+    Part *parts = count <= PARTS_ON_STACK ? on_stack : PyMem_New(Part, count);
+    if (parts == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t p = 0; p < count; p++) {
+        parts[p].ids = (const int64_t *)(uintptr_t)PyLong_AsUnsignedLongLong(
+            PyTuple_GET_ITEM(flat, 3 * p));
+        parts[p].count = PyLong_AsSsize_t(PyTuple_GET_ITEM(flat, 3 * p + 1));
+        parts[p].stride = PyLong_AsSsize_t(PyTuple_GET_ITEM(flat, 3 * p + 2));
+    }
+    PyObject *result = NULL;
+    if (!PyErr_Occurred())
+        result = PyLong_FromSsize_t(release_parts(
+            (int32_t *)(uintptr_t)held_addr, num_slots, (int64_t *)(uintptr_t)stack_addr, top,
+            (uint8_t *)(uintptr_t)marks_addr, page_size, parts, count));
+    if (parts != on_stack)
+        PyMem_Free(parts);
+    return result;
 }
 
 /* held_once(held, num_slots, ids, count, stride): whether every id is an allocated page's
@@ -77,8 +165,7 @@ static PyObject *held_once(PyObject *Py_UNUSED(self), PyObject *args) {
     const int64_t *ids = (const int64_t *)(uintptr_t)ids_addr;
     if (take_once(held, num_slots, ids, count, stride) >= 0)
         Py_RETURN_FALSE;
-    for (Py_ssize_t i = 0; i < count; i++)
-        held[ID(i)] = 1;
+    put_back(held, ids, count, stride);
     Py_RETURN_TRUE;
 }
 
@@ -120,15 +207,6 @@ static PyObject *set_marks(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* in_range(ids, count, stride, num_slots): whether every id is in [0, num_slots). */
-static int in_range(const int64_t *ids, Py_ssize_t count, Py_ssize_t stride,
-                    Py_ssize_t num_slots) {
-    for (Py_ssize_t i = 0; i < count; i++)
-        if (ID(i) < 0 || ID(i) >= num_slots)
-            return 0;
-    return 1;
-}
-
 /* copy_rows(src, src_plane, src_slot, src_slots, src_ids, src_stride,
  *           dst, dst_plane, dst_slot, dst_slots, dst_ids, dst_stride,
  *           count, planes, row_bytes):
@@ -167,7 +245,7 @@ static PyObject *copy_rows(PyObject *Py_UNUSED(self), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"mark_held", mark_held, METH_VARARGS, "held[stack[start + i]] = 1 for i < count"},
-    {"release", release, METH_VARARGS, "take allocated page heads once each and push them"},
+    {"release", release, METH_VARARGS, "take allocated page heads once each, push them, clear their marks"},
     {"held_once", held_once, METH_VARARGS, "every id an allocated page head, none twice"},
     {"any_marked", any_marked, METH_VARARGS, "1 if a mark is set, 0 if none, -1 out of range"},
     {"set_marks", set_marks, METH_VARARGS, "set the marks of ids; False if one is out of range"},

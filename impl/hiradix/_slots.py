@@ -15,6 +15,7 @@ Every check runs before any change: a call that raises ``SlotError`` leaves the 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Literal
 
@@ -268,14 +269,34 @@ class PageAllocator:
 
         The slots behind each head are not compared here (issue 13: three ops, a fifth of
         an eviction): the tree's copies are whole pages in order from the moment they
-        enter it (``alloc``'s runs, insert's R7 check of caller slots), nodes hold their
-        own tensors and split only at page boundaries, and ``check_invariants`` audits
-        every copy (INV-TREE-WELL-FORMED) and every slot's owner (INV-DEVICE-/HOST-POOL-
-        CONSERVATION)."""
-        size = self._page_size
-        if self._bits is not None:
-            self._release_native(slots)
+        enter it (``alloc``'s runs, insert's R7 check of caller slots), nodes never write
+        their slot tensors and split only at page boundaries, and ``check_invariants``
+        audits every copy (INV-TREE-WELL-FORMED) and every slot's owner (INV-DEVICE-/
+        HOST-POOL-CONSERVATION)."""
+        self.release_parts((slots,))
+
+    def release_parts(self, parts: Sequence[torch.Tensor],
+                      unmark: SlotMarks | None = None) -> None:
+        """``release`` of the slots of ``parts`` taken together (no page twice across
+        them either; all or nothing), without concatenating them first; ``unmark``: flags
+        to clear for every slot released (the cache's ownership, SlotMarks), in the same
+        call. An eviction's or a host-room release is one such call (issue 13)."""
+        if not parts:
             return
+        if self._bits is not None:
+            self._release_native(parts, unmark)
+            return
+        slots = parts[0] if len(parts) == 1 else torch.cat(list(parts))
+        if unmark is not None:  # every slot indexes a flag: all in range before any change
+            assert slots.numel() == 0 or (int(slots.min()) >= 0 and
+                                          int(slots.max()) < self._num_slots), \
+                "released a slot out of range"
+        self._release_torch(slots)
+        if unmark is not None:
+            unmark.set(slots, False)
+
+    def _release_torch(self, slots: torch.Tensor) -> None:
+        size = self._page_size
         if size == 1:
             heads = slots  # every slot is a whole page
         else:
@@ -300,20 +321,28 @@ class PageAllocator:
             raise AssertionError("released a page that is not allocated")
         self._push(heads)
 
-    def _release_native(self, slots: torch.Tensor) -> None:
-        """``release`` in C: the same checks, in one loop over the heads."""
-        size = self._page_size
-        # The C loop reads raw memory: a CPU int64 tensor, or nothing at all.
-        assert slots.dtype == torch.int64 and slots.is_cpu and slots.dim() == 1
-        assert slots.numel() % size == 0, "released slots that are not whole pages"
+    def _release_native(self, parts: Sequence[torch.Tensor], unmark: SlotMarks | None) -> None:
+        """``release_parts`` in C: the same checks, in one loop over the heads."""
+        runs: list[int] = []
+        for slots in parts:
+            # The C loop reads raw memory: CPU int64 tensors, or nothing at all.
+            assert slots.dtype == torch.int64 and slots.is_cpu and slots.dim() == 1
+            runs += (slots.data_ptr(), slots.numel(), slots.stride(0))
         assert self._bits is not None
+        # The C loop clears a flag per released slot: the flags must cover this pool.
+        assert unmark is None or unmark.num_slots == self._num_slots
         top = self._bits.release(self._held_at, self._num_slots, self._stack_at, self._top,
-                                 slots.data_ptr(), slots.numel() // size,
-                                 slots.stride(0) * size)
+                                 0 if unmark is None else unmark.address, self._page_size,
+                                 tuple(runs))
         if top < 0:  # nothing changed: explain
-            heads = slots[::size]
-            assert not bool(((heads < 0) | (heads >= self._num_slots)).any()), \
+            size = self._page_size
+            assert all(p.numel() % size == 0 for p in parts), \
+                "released slots that are not whole pages"
+            slots = torch.cat(list(parts))
+            checked = slots if unmark is not None else slots[::size]
+            assert not bool(((checked < 0) | (checked >= self._num_slots)).any()), \
                 "released a slot out of range"
+            heads = slots[::size]
             assert not bool(heads.remainder(size).any()), \
                 "released slots that are not whole pages"
             assert not self.repeated(heads), "released a page twice in one call"
@@ -389,6 +418,16 @@ class SlotMarks:
         self._bits = native_core()
         self._at = self.tensor.data_ptr()
 
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def address(self) -> int:
+        """Where the flags live (one byte each), for a C loop that clears them as it
+        releases the slots (``PageAllocator.release_parts``)."""
+        return self._at
+
     def set(self, slots: torch.Tensor, value: bool) -> None:
         """Flag (``value`` True) or unflag every slot of ``slots`` (each in range)."""
         if self._bits is None:
@@ -443,6 +482,11 @@ class SlotPool:
     def release(self, slots: torch.Tensor) -> None:
         """The cache returning pages it owns (see ``PageAllocator.release``)."""
         self.allocator.release(slots)
+
+    def release_parts(self, parts: Sequence[torch.Tensor],
+                      unmark: SlotMarks | None = None) -> None:
+        """Several runs released as one (see ``PageAllocator.release_parts``)."""
+        self.allocator.release_parts(parts, unmark)
 
     def free_slots(self) -> frozenset[int]:
         """Every free slot id (for invariant checks)."""

@@ -41,13 +41,6 @@ if TYPE_CHECKING:  # the storage tier imports this module
 EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _release(pool: HostKVPool, parts: list[torch.Tensor]) -> None:
-    """Give ``pool`` back the host slots of one operation in one call, so that its
-    checks (whole pages, each allocated, none twice: across the parts too) run once."""
-    if parts:
-        pool.release(parts[0] if len(parts) == 1 else torch.cat(parts))
-
-
 @dataclass(frozen=True)
 class MatchResult:
     device_slots: torch.Tensor  # slots of the leading run of device pages
@@ -228,7 +221,7 @@ class HiRadixCache:
     def _set_device(self, node: TreeNode, slots: torch.Tensor | None, *,
                     releasing: bool = False) -> None:
         """``releasing``: the old slots go to an eviction's ``freed``, whose release
-        (``_release_device``) clears their ownership for all its nodes in one op."""
+        (``release_parts`` at its end) clears their ownership for all its nodes in one call."""
         if self.events is not None and (node.device is None) != (slots is None):
             self._emit("stored" if slots is not None else "removed", "device", node)
         self._count(node, -1)
@@ -718,7 +711,8 @@ class HiRadixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens in rank order (or all evictable)."""
-        self._require_count(num_tokens, "num_tokens")
+        if type(num_tokens) is not int or num_tokens < 0:  # the check, inline on success
+            self._require_count(num_tokens, "num_tokens")
         evicted, victims = self._evict(num_tokens)
         if self.recorder is not None:
             self.recorder.device_victims.extend(victims)
@@ -759,28 +753,33 @@ class HiRadixCache:
         for node in kept:  # still evictable leaves: back in the order for later calls
             if node in self.device_leaves:
                 order.push_back(node)
-        self._release_device(freed)
+        # The nodes dropped their slots ``releasing``: their ownership flags are cleared
+        # here, with the release, in one call for the whole eviction.
+        self.device_pool.release_parts(freed, self._device_owned)
         return evicted, victims
-
-    def _release_device(self, freed: list[torch.Tensor]) -> None:
-        """Release an eviction's device slots (its nodes dropped them with
-        ``releasing``) and clear their ownership, one call and one op for all."""
-        if freed:
-            slots = freed[0] if len(freed) == 1 else torch.cat(freed)
-            self.device_pool.release(slots)
-            self._device_owned.set(slots, False)
 
     def _drop_device_copy(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
         """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
-        release (the whole eviction's slots in one checked call)."""
-        assert node.device is not None and node.lock_ref == 0
-        freed.append(node.device)
+        release (the whole eviction's slots in one checked call).
+
+        ``_set_device(node, None, releasing=True)`` and ``_refresh_around`` written out
+        for the one case eviction has (issue 13: an unlocked device leaf losing its
+        copy), so each counter and leaf set is touched once: the node was an evictable
+        device leaf, and only it and its parent can change leaf sets."""
+        device = node.device
+        assert device is not None and node.lock_ref == 0
+        if self.events is not None:
+            self._emit("removed", "device", node)
+        freed.append(device)
+        node.device = None
+        self.evictable_tokens -= len(node.tokens)  # INV-ACCOUNTING: it was unlocked
+        self.device_leaves.discard(node)
         if node.host is not None:
-            self._set_device(node, None, releasing=True)
-            self._refresh_around(node)
+            self._refresh(node)  # now perhaps a host leaf
+            assert node.parent is not None
+            self._refresh(node.parent)
         else:
             assert not node.children, f"{node!r}: a device-only leaf with children"
-            self._set_device(node, None, releasing=True)
             self._detach(node)
         return len(node.tokens)
 
@@ -854,7 +853,7 @@ class HiRadixCache:
                 self._set_device(n, None, releasing=True)
             self.device_leaves.discard(n)
             self.host_leaves.discard(n)
-        _release(self.host_pool, host_freed)
+        self.host_pool.release_parts(host_freed)
         self._detach(node)
 
     def evict_host(self, num_tokens: int) -> int:
@@ -899,7 +898,7 @@ class HiRadixCache:
             evicted += len(node.tokens)
             node.host = None
             self._detach(node)
-        _release(self.host_pool, freed)
+        self.host_pool.release_parts(freed)
         return evicted, victims
 
     # ------------------------------------------------------------------ load back

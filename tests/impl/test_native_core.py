@@ -55,18 +55,30 @@ def test_the_core_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert PageAllocator(8, 1).core == ("native" if BUILT else "python")
 
 
+def marked(marks: SlotMarks) -> list[int]:
+    return marks.tensor.nonzero().view(-1).tolist()
+
+
 @needs_native
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_allocators_agree_over_random_calls(monkeypatch: pytest.MonkeyPatch,
                                             page_size: int) -> None:
     slots_count = 64 * page_size
-    native = on_core(monkeypatch, "native", lambda: PageAllocator(slots_count, page_size))
-    python = on_core(monkeypatch, "python", lambda: PageAllocator(slots_count, page_size))
+
+    def build() -> tuple[PageAllocator, SlotMarks]:
+        return PageAllocator(slots_count, page_size), SlotMarks(slots_count)
+
+    native, native_marks = on_core(monkeypatch, "native", build)
+    python, python_marks = on_core(monkeypatch, "python", build)
     assert (native.core, python.core) == ("native", "python")
     rng = random.Random(0)
     held: list[torch.Tensor] = []  # runs both hold, in the same order
+
+    def both() -> tuple[object, ...]:
+        return state(native), state(python), marked(native_marks), marked(python_marks)
+
     for _ in range(600):
-        action = rng.randrange(4)
+        action = rng.randrange(5)
         if action == 0 or not held:
             tokens = rng.randrange(0, 12) * page_size
             got = [native.alloc(tokens), python.alloc(tokens)]
@@ -75,32 +87,53 @@ def test_allocators_agree_over_random_calls(monkeypatch: pytest.MonkeyPatch,
                 assert torch.equal(got[0], got[1])
                 if got[0].numel():
                     held.append(got[0])
+                    native_marks.set(got[0], True)
+                    python_marks.set(got[1], True)
         elif action == 1:  # release a mix of runs, some as strided views
             rng.shuffle(held)
             taken = [held.pop() for _ in range(rng.randrange(1, len(held) + 1))]
             run = torch.cat(taken)
             native.release(run)
             python.release(run.clone())
+            native_marks.set(run, False)
+            python_marks.set(run, False)
         elif action == 2:  # held_once on held heads, on a repeat, on a free page
             heads = torch.cat(held)[::page_size]
             for probe in (heads, torch.cat([heads, heads[:1]]), heads[::2]):
                 assert native.held_once(probe) == python.held_once(probe)
+        elif action == 3:  # several runs as parts, their flags cleared in the same call
+            rng.shuffle(held)
+            taken = [held.pop() for _ in range(rng.randrange(1, len(held) + 1))]
+            unmark = rng.randrange(2)
+            native.release_parts(taken, native_marks if unmark else None)
+            python.release_parts([t.clone() for t in taken], python_marks if unmark else None)
+            if not unmark:
+                for part in taken:
+                    native_marks.set(part, False)
+                    python_marks.set(part, False)
         else:  # a release that must fail changes neither
             run = torch.cat(held)
-            bad = [torch.cat([run, run[:page_size]]),  # a page twice in one call
-                   run[page_size // 2:page_size // 2 + page_size]]  # not a page's start
-            if native.num_free_slots:
-                bad.append(native._stack[native._top:native._top + 1].clone())  # a free page
+            bad = [[torch.cat([run, run[:page_size]])],  # a page twice in one part
+                   [run[page_size // 2:page_size // 2 + page_size]]]  # not a page's start
+            if run.numel() >= 2 * page_size:
+                # A page twice across two parts, or a free page after held ones, with no
+                # more pages than are held (more fail on the count before any page is
+                # looked at); the first part's pages must be put back.
+                bad.append([run[:-page_size], run[:page_size]])
+                if native.num_free_slots:
+                    bad.append([run[:-page_size], native._stack[native._top:native._top + 1]])
             for wrong in bad:
-                if page_size == 1 and wrong.numel() == 1 and native.held_once(wrong):
+                if page_size == 1 and len(wrong) == 1 and wrong[0].numel() == 1 and \
+                        native.held_once(wrong[0]):
                     continue  # at page size 1 every slot starts a page
-                before = state(native), state(python)
+                before = both()
                 with pytest.raises(AssertionError):
-                    native.release(wrong)
+                    native.release_parts(wrong, native_marks)
                 with pytest.raises(AssertionError):
-                    python.release(wrong)
-                assert (state(native), state(python)) == before
+                    python.release_parts(wrong, python_marks)
+                assert both() == before
         assert state(native) == state(python)
+        assert marked(native_marks) == marked(python_marks)
 
 
 @needs_native
@@ -114,6 +147,13 @@ def test_a_release_out_of_range_fails_and_changes_nothing(monkeypatch: pytest.Mo
     with pytest.raises((AssertionError, IndexError)):
         allocator.release(torch.cat([run, torch.arange(16, 20)]))
     assert state(allocator) == before
+    # A page's head in range and its last slot not: only the flags read it.
+    marks = on_core(monkeypatch, core, lambda: SlotMarks(16))
+    marks.set(run, True)
+    tail = torch.tensor([4, 5, 6, 99], dtype=torch.int64)
+    with pytest.raises(AssertionError, match="out of range"):
+        allocator.release_parts([run[:4], tail], marks)
+    assert state(allocator) == before and marked(marks) == list(range(8))
 
 
 @needs_native
