@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
@@ -41,8 +41,10 @@ if TYPE_CHECKING:  # the storage tier imports this module
 EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-@dataclass(frozen=True)
-class MatchResult:
+class MatchResult(NamedTuple):
+    """What ``match_prefix`` found (a named tuple: the cheapest immutable record to build,
+    and one is built per request, issue 13)."""
+
     device_slots: torch.Tensor  # slots of the leading run of device pages
     last_device_node: TreeNode  # deepest node of that run (the root if none)
     last_host_node: TreeNode  # deepest matched node with a host copy (the root if none)
@@ -360,20 +362,34 @@ class HiRadixCache:
         """The longest cached page prefix of ``key``; stamps the matched pages (spec/03.2)."""
         key = self._require_key(key)
         now = self._now()
-        # One pass over the matched path (issue 13): device nodes come first on it
-        # (INV-DEVICE-PREFIX-CLOSED), the host-only ones after.
+        # One pass down the matched path (issue 13): ``_descend``'s walk, each node taken
+        # as it is reached. Device nodes come first on the path (INV-DEVICE-PREFIX-
+        # CLOSED), the host-only ones after.
+        size, tokens, packed, namespace = self.page_size, key.tokens, key.packed, key.namespace
+        stop = len(tokens) - len(tokens) % size
         parts: list[torch.Tensor] = []
-        last_device = last_host = self.root
-        host_hit = 0
-        for node in self._descend(key, key.aligned_length(self.page_size)):
-            node.last_tick = now
-            if node.device is not None:
-                parts.append(node.device)
-                last_device = node
+        node = last_device = last_host = self.root
+        host_hit = start = 0
+        while start < stop:
+            child = node.children.get((namespace, tokens[start:start + size]))
+            if child is None:
+                break
+            matched = common_pages(child.packed, packed, start, size, stop)
+            leaves = matched < len(child.tokens)  # the key leaves the path inside child
+            if leaves:
+                child = split(child, matched, size)
+                self._refresh_around(child)
+            child.last_tick = now
+            if child.device is not None:
+                parts.append(child.device)
+                last_device = child
             else:
-                host_hit += len(node.tokens)
-            if node.host is not None:
-                last_host = node
+                host_hit += matched
+            if child.host is not None:
+                last_host = child
+            if leaves:
+                break
+            node, start = child, start + matched
         # The caller's own tensor (a copy even for one node: issue 17).
         slots = EMPTY if not parts else parts[0].clone() if len(parts) == 1 else torch.cat(parts)
         return MatchResult(slots, last_device, last_host, host_hit)
@@ -592,14 +608,14 @@ class HiRadixCache:
         if host is None:
             self._record_backup(victims, None)
             return False
-        if single:  # the allocation is the node's own tensor
+        if single:  # the allocation is the node's tensor
             run[0].host = host
             source = run[0].device
             assert source is not None
         else:
             start = 0
-            for node in run:
-                node.host = host[start:start + len(node.tokens)].clone()
+            for node in run:  # views of the one allocation (tree.py: never written)
+                node.host = host[start:start + len(node.tokens)]
                 start += len(node.tokens)
             sources = [n.device for n in run if n.device is not None]
             source = sources[0] if len(sources) == 1 else torch.cat(sources)
@@ -943,12 +959,12 @@ class HiRadixCache:
                 self._refresh(n)
             self._record_load(victims, None)
             return None
-        if len(chain) == 1:  # the common case: the allocation is the node's own tensor
+        if len(chain) == 1:  # the common case: the allocation is the node's tensor
             self._set_device(chain[0], device)
         else:
             start = 0
-            for n in chain:
-                self._set_device(n, device[start:start + len(n.tokens)].clone())
+            for n in chain:  # views of the one allocation (tree.py: never written)
+                self._set_device(n, device[start:start + len(n.tokens)])
                 start += len(n.tokens)
         for n in chain:
             self._refresh_around(n)

@@ -1,8 +1,10 @@
 """Radix tree nodes and the one structural edit that needs care: splitting.
 
 A node holds a segment of tokens (a whole number of pages) and, per tier, an int64
-tensor of slots (one per token) or None. Counters are per node; every page of a node
-shares them, which is what makes the abstraction to per-page state exact (spec/06).
+tensor of slots (one per token) or None. Slot tensors are never written in place (only
+read, released and replaced), so nodes cut from one tensor keep views of it. Counters are
+per node; every page of a node shares them, which is what makes the abstraction to
+per-page state exact (spec/06).
 """
 
 from __future__ import annotations
@@ -103,12 +105,15 @@ def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
     upper.last_tick = node.last_tick
     upper.insert_tick = node.insert_tick
     upper.priority = node.priority
+    # Views, not copies (issue 13: four clones were most of a split): slot tensors are
+    # never written in place, only read, released and replaced, so two nodes may share
+    # one tensor's storage. Its memory is freed when the last part goes.
     if node.device is not None:
-        upper.device = node.device[:at].clone()
-        node.device = node.device[at:].clone()
+        upper.device = node.device[:at]
+        node.device = node.device[at:]
     if node.host is not None:
-        upper.host = node.host[:at].clone()
-        node.host = node.host[at:].clone()
+        upper.host = node.host[:at]
+        node.host = node.host[at:]
     parent.children[(node.namespace, node.tokens[:page_size])] = upper
     node.tokens = node.tokens[at:]
     node.packed = node.packed[cut:]
