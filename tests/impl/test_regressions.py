@@ -289,3 +289,35 @@ def test_a_write_back_victim_with_a_protected_page_below_stays() -> None:
     state.refines_the_model()
     assert [n.device is not None for n in state.cache.nodes()] == [True, False]
     state.teardown()
+
+
+@pytest.mark.parametrize(("rest", "argument", "reason"), [
+    ([4, 6, 5, 7, 8], "slots[5]", "not one page's slots in order"),  # interleaved
+    ([5, 6, 8, 9, 10], "slots[4]", "not at a page start"),  # a run across two pages
+    ([0, 1, 8, 9, 10], "slots[4]", "neither held by the caller"),  # a node's page
+    ([4, 5, 4, 5, 8], "slots", "holds a slot twice"),  # the caller's page twice
+    ([12, 13, 8, 9, 10], "slots[4]", "neither held by the caller"),  # a free page
+])
+def test_the_slots_past_a_cached_prefix_are_checked_as_the_whole_insert_was(
+        rest: list[int], argument: str, reason: str) -> None:
+    # Issue 13: insert checks R7 and the caller's hold past the cache's own prefix only
+    # (a node's slots are whole pages in order). Past it, every error is still found, at
+    # its position in the whole argument, and the cache is left as it was.
+    cache = Scenario(page_size=2, device_pages=8).build(ManualClock(), None)
+    first = cache.device_pool.alloc(4)
+    assert first is not None and first.tolist() == [0, 1, 2, 3]
+    cache.insert(RadixKey((1, 2, 3, 4)), first)
+    held = cache.device_pool.alloc(6)
+    assert held is not None and held.tolist() == [4, 5, 6, 7, 8, 9]
+    key = RadixKey((1, 2, 3, 4, 5, 6, 7, 8, 9))
+    own = cache.match_prefix(key).device_slots
+    assert own.tolist() == [0, 1, 2, 3]
+    before = _snapshot(cache)
+    with pytest.raises(InvalidArgument) as caught:
+        cache.insert(key, torch.cat([own, torch.tensor(rest, dtype=torch.int64)]))
+    assert (caught.value.argument, reason in caught.value.reason) == (argument, True), \
+        caught.value
+    assert _snapshot(cache) == before
+    # The same rest after the caller's own duplicate of the prefix (the general check).
+    assert cache.insert(key, torch.cat([own, held[:4], held[4:5]])) == 4
+    cache.check_invariants()
