@@ -6,7 +6,7 @@ import torch
 
 from hiradix.clock import ManualClock
 from hiradix.conformance.abstraction import CORRUPT, abstract
-from hiradix.conformance.kv import patterns
+from hiradix.conformance.kv import pattern, patterns
 from hiradix.conformance.scenario import Scenario
 from hiradix.keys import RadixKey
 from hiradix_model import Key, initial, ops
@@ -61,3 +61,18 @@ def test_counter_drift_shows() -> None:
     cache, model = cached_pair(Scenario(page_size=2))
     cache.evictable_tokens += 2
     assert abstract(cache, model) != model
+
+
+def test_patterns_is_pattern_of_each_content_in_each_layer() -> None:
+    # patterns computes every (layer, content) pair in one op; pattern is the definition.
+    key = Key((5, 6, 7), "n")
+    contents = [content_at(key, i) for i in range(3)]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        got = patterns(contents, 2, (2, 3), dtype)
+        want = torch.stack([torch.stack([pattern(c, layer, (2, 3), dtype) for c in contents])
+                            for layer in range(2)])
+        assert got.shape == (2, 3, 2, 3) and torch.equal(got, want)
+        # Distinct per element, so a transposed or shifted copy shows.
+        rows = got.reshape(6, 6).to(torch.float32)
+        assert all(torch.unique(row).numel() == 6 for row in rows)
+    assert patterns([], 2, (2, 3), torch.float16).shape == (2, 0, 2, 3)
