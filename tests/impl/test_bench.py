@@ -55,7 +55,9 @@ def test_the_main_table_times_the_c_loops_against_the_torch_ops(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "competitors", lambda page_size: [])
     rows: list[list[str]] = []
-    bench.run(16, 0.02, 0, rows)
+    memory: list[list[str]] = []
+    bench.run(16, 0.02, 0, rows, memory)
+    assert memory == []  # one row per SGLang engine, and none is installed
     assert {r[2] for r in rows} == {"ours-python-core"}
     assert [r[1] for r in rows] == list(bench.OPS)
     # Every operation that ran (a run this small never overflows the device) was timed on

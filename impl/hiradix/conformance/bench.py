@@ -1,23 +1,23 @@
 """``hiradix bench``: ours against SGLang on the same serving-like operation streams.
 
-Four seeded workloads (shared system prompts, multi-turn conversations, few-shot prompts,
-long documents that overflow the device and come back from host) become one stream of
-requests. Every request is served by each engine in turn -- ours, then each SGLang
-cache the installed version has: 0.5.20's HiRadixCache (and RadixCache for the
-device-only rows), and ``UnifiedRadixCache`` with HiCache on its Python tree core (0.5.20
-and 0.5.23) and on its Rust tree core (0.5.23) -- so machine noise hits all of them
-alike. A request is what a scheduler does: match, load back a host hit, lock, evict the
-shortfall, allocate, insert, free the duplicates, unlock, acknowledge copies. Each call
-is timed on its own (the acknowledging checks too, and insert with them: engines move a
-backup's bytes in one or the other); the table gives the mean and the median time per call of each
-operation, and SGLang's time over ours for both (above 1: ours is faster), plus the tree's
-metadata bytes per cached token. Medians are the figure to compare: on a shared machine
-one scheduler stall moves a mean by tens of percent and a median by a few. Every engine
-runs in the same layout (MHA device pools, ``HOST_LAYOUT`` host pools, the same KV
-shape), so cache effects favour none. No engine state is shared; keys and slot tensors
-are built before the clock starts. On 0.5.23 a match returns node handles, and the
-device slots a scheduler needs are read with ``path_device_indices``: the match row
-times both, as ours returns the slots.
+Four seeded workloads (shared system prompts, multi-turn conversations, few-shot
+prompts, long documents that overflow the device and come back from host) become one
+stream of requests. Every request is served by each engine in turn -- ours, then each
+SGLang cache the installed version has: 0.5.20's HiRadixCache (and RadixCache for the
+device-only rows), and ``UnifiedRadixCache`` with HiCache on its Python tree core
+(0.5.20 and 0.5.23) and on its Rust tree core (0.5.23) -- so machine noise hits all of
+them alike. A request is what a scheduler does: match, load back a host hit, lock, evict
+the shortfall, allocate, insert, free the duplicates, unlock, acknowledge copies. Each
+call is timed on its own (the acknowledging checks too, and insert with them: engines
+move a backup's bytes in one or the other); the table gives the mean and the median time
+per call of each operation, and SGLang's time over ours for both (above 1: ours is
+faster); a table of its own gives the tree's metadata bytes per cached token. Medians
+are the figure to compare: on a shared machine one scheduler stall moves a mean by tens
+of percent and a median by a few. Every engine runs in the same layout (MHA device
+pools, ``HOST_LAYOUT`` host pools, the same KV shape), so cache effects favour none. No
+engine state is shared; keys and slot tensors are built before the clock starts. On
+0.5.23 a match returns node handles, and the device slots a scheduler needs are read
+with ``path_device_indices``: the match row times both, as ours returns the slots.
 
 Where ours runs on the C bookkeeping loops (``hiradix._pagebits``), ours on the torch
 ones (``HIRADIX_CORE=python``) is one more engine of the table, ``ours-python-core``: the
@@ -433,7 +433,11 @@ def _metadata(build: Callable[[], None], tensors: Callable[[], list[tuple[Any, A
 DEVICE_ONLY = ("sglang-radix",)  # engines without a host tier: no HOST_OPS rows
 
 
-def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
+def run(page_size: int, scale: float, seed: int, rows: list[list[str]],
+        memory: list[list[str]]) -> None:
+    """Time every operation of the stream on each engine (``rows``) and measure each
+    tree's metadata per cached token (``memory``: a figure of another kind, whose ratio
+    reads the other way, so kept out of the timing table)."""
     stream = [r for w in workloads(seed, scale) for r in w.requests]
     random.Random(seed).shuffle(stream)
     device, host = 32768, 65536  # tokens: the long documents overflow the device
@@ -467,12 +471,12 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]]) -> None:
         assert mine is not None
         per_ours = mine[0] / max(mine[1], 1)
         if theirs is None:
-            rows.append([str(page_size), "metadata bytes/token", fresh.name,
-                         f"{per_ours:.1f}", "", "n/a (Rust heap)", "", "n/a", ""])
+            memory.append([str(page_size), fresh.name, f"{per_ours:.1f}", "n/a (Rust heap)",
+                           "n/a"])
         else:
             per = theirs[0] / max(theirs[1], 1)
-            rows.append([str(page_size), "metadata bytes/token", fresh.name,
-                         f"{per_ours:.1f}", "", f"{per:.1f}", "", f"{per / per_ours:.2f}", ""])
+            memory.append([str(page_size), fresh.name, f"{per_ours:.1f}", f"{per:.1f}",
+                           f"{per / per_ours:.2f}"])
         fresh.close()
 
 
@@ -501,14 +505,16 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 def medians(rows: list[list[str]]) -> list[tuple[int, str, str, float, float]]:
     """The timed rows of ``table``'s input as (page size, operation, engine, ours median
     µs, theirs median µs), for ``plots.write_bench_plot``."""
-    timed = [r for r in rows if not r[1].startswith("metadata")]
     return [(int(r[0]), r[1], r[2], float(r[4].replace(",", "")),
-             float(r[6].replace(",", ""))) for r in timed]
+             float(r[6].replace(",", ""))) for r in rows]
 
 
-def table(rows: list[list[str]]) -> Iterator[str]:
-    head = ["page", "operation", "vs", "ours mean µs", "ours median µs", "theirs mean µs",
-            "theirs median µs", "speed-up (mean)", "speed-up (median)"]
+TIMING_HEAD = ["page", "operation", "vs", "ours mean µs", "ours median µs",
+               "theirs mean µs", "theirs median µs", "speed-up (mean)", "speed-up (median)"]
+MEMORY_HEAD = ["page", "vs", "ours B/token", "theirs B/token", "theirs / ours"]
+
+
+def table(rows: list[list[str]], head: list[str] = TIMING_HEAD) -> Iterator[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for row in [head, ["-" * w for w in widths], *rows]:
         yield " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
@@ -566,16 +572,20 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if not args.large_only:
         rows: list[list[str]] = []
+        memory: list[list[str]] = []
         for page_size in args.page_sizes:
-            run(page_size, args.scale, args.seed, rows)
+            run(page_size, args.scale, args.seed, rows, memory)
         print("\n".join(table(rows)))
         print(f"(seed {args.seed}, scale {args.scale}, page sizes {args.page_sizes}, "
               f"{torch.get_num_threads()} torch threads, our core {bookkeeping_core()}, "
               f"{time.perf_counter() - started:.0f} s; µs per call, calls in brackets; "
               "speed-up = their time / ours, above 1 means ours is faster; compare medians, "
               "means move with scheduler stalls; every engine in the same layout: "
-              f"{KV_LAYOUT.upper()} device pools, {HOST_LAYOUT} host pools; metadata: "
-              "ratio is theirs/ours, above 1 means ours is smaller)")
+              f"{KV_LAYOUT.upper()} device pools, {HOST_LAYOUT} host pools)")
+        print("\nTree metadata per cached token (a fresh tree over the shared-prompt "
+              "workload: the Python heap it grew by, plus its slot tensors; not the KV):")
+        print("\n".join(table(memory, MEMORY_HEAD)))
+        print("(theirs / ours above 1 means ours is smaller)")
         if args.plot is not None:
             print(f"(plot: {write_bench_plot(medians(rows), args.plot)})")
     if args.large or args.large_only:
