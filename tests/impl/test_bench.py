@@ -1,5 +1,5 @@
 """``hiradix bench``'s parts that run without SGLang: options, the scaling tables on ours,
-the bandwidth rows, and the message when no SGLang is installed."""
+the bandwidth rows, the profile of ours, and the message when no SGLang is installed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from hiradix.conformance import bench, bench_scale
+from hiradix.conformance import bench, bench_profile, bench_scale
 
 
 def test_options_fill_what_an_older_parser_lacks() -> None:
@@ -65,3 +65,43 @@ def test_the_main_table_times_the_c_loops_against_the_torch_ops(
     ran = {r[1] for r in rows if r[3] != "n/a"}
     assert ran >= {"match_prefix", "insert", "checks", "insert+checks"}, rows
     assert ran == {r[1] for r in rows if r[5] != "n/a"}, rows
+
+
+@pytest.mark.parametrize(("file", "name", "kind"), [
+    ("/x/hiradix/cache.py", "_check_insert_slots", "validation"),
+    ("/x/hiradix/cache.py", "_require_key", "validation"),
+    ("/x/hiradix/cache.py", "match_prefix", "walk+split"),
+    ("/x/hiradix/tree.py", "split", "walk+split"),
+    ("/x/hiradix/cache.py", "_refresh", "bookkeeping"),
+    ("/x/hiradix/policies.py", "pop", "evict heap"),
+    ("~", "<built-in method _heapq.heappop>", "evict heap"),
+    ("/x/hiradix/_slots.py", "release_parts", "allocators"),
+    ("/x/hiradix/host_pool.py", "copy", "host copies"),
+    ("~", "<built-in method hiradix._pagebits.release>", "C loops"),
+    ("~", "<method 'clone' of 'torch._C.TensorBase' objects>", "torch"),
+    ("/x/hiradix/cache.py", "insert", "body"),
+])
+def test_the_profile_sorts_each_cost_into_its_kind(file: str, name: str, kind: str) -> None:
+    assert bench_profile.kind((file, name)) == kind
+
+
+def test_the_profile_accounts_for_each_operation_and_its_kernels() -> None:
+    result = {op: rest for op, *rest in bench_profile.breakdown(16, 0.02, 0)}
+    assert {"match_prefix", "insert", "checks"} <= set(result), result
+    for op, (calls, shares, micros, *_) in result.items():
+        assert calls > 0 and micros > 0, op
+        assert abs(sum(shares.values()) - 1) < 1e-9, (op, shares)
+    # Every insert clones its slots for the node (a kernel) and each backup copies rows
+    # (a C call where built); a match clones the matched slots or returns an empty one.
+    assert result["insert"][3] >= 1, result["insert"]
+    assert 0 < result["match_prefix"][3] <= 1, result["match_prefix"]
+    if bench.bookkeeping_core() == "native":
+        assert result["insert"][4] >= 1, result["insert"]
+
+
+def test_the_profile_runs_without_sglang(capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "competitors", lambda page_size: [])
+    assert bench.main(argparse.Namespace(profile=True, page_sizes=[1], scale=0.02)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Profile of ours, page size 1") and "\ninsert " in out, out

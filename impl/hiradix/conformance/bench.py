@@ -538,6 +538,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="also draw the table's medians, ours beside each engine, as a "
                              "PNG (needs matplotlib: pip install 'hiradix[plots]')")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the table: where ours spends each operation's "
+                             "time (cProfile per operation, own time per kind of cost, "
+                             "torch kernels and C calls per call); needs no SGLang")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch's intra-op threads for every engine (default: torch's "
                              "own); on a loaded machine a parallel indexing op can wait "
@@ -554,6 +558,12 @@ def options(args: argparse.Namespace) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> int:
     args = options(args)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    if args.profile:
+        from hiradix.conformance.bench_profile import report as profile
+        print("\n".join(profile(args.page_sizes, args.scale, args.seed)))
+        return 0
     if not competitors(1):
         print("hiradix bench needs SGLang: `make sglang-env` (0.5.20: HiRadixCache, "
               "RadixCache, UnifiedRadixCache) or `make sglang23-env` (0.5.23: "
@@ -567,8 +577,6 @@ def main(args: argparse.Namespace) -> int:
         except PlotsUnavailable as missing:
             print(f"hiradix bench --plot: {missing}", file=sys.stderr)
             return 2
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
     started = time.perf_counter()
     if not args.large_only:
         rows: list[list[str]] = []
