@@ -66,7 +66,6 @@ def test_the_bench_plot_takes_the_tables_medians(tmp_path: Path) -> None:
 
     rows = [["1", "insert", "unified-python", "832.4 (1124)", "442.5", "768.8 (1121)", "369.9",
              "0.92", "0.84"],
-            ["1", "metadata bytes/token", "unified-python", "29.4", "", "40.8", "", "1.39", ""],
             ["16", "evict", "unified-rust", "1,291.4 (633)", "1,140.5", "193.1 (654)", "83.0",
              "0.15", "0.07"]]
     assert medians(rows) == [(1, "insert", "unified-python", 442.5, 369.9),
