@@ -433,14 +433,23 @@ def _metadata(build: Callable[[], None], tensors: Callable[[], list[tuple[Any, A
 DEVICE_ONLY = ("sglang-radix",)  # engines without a host tier: no HOST_OPS rows
 
 
+DEVICE_TOKENS, HOST_TOKENS = 32768, 65536  # the long documents overflow the device
+
+
+def request_stream(seed: int, scale: float) -> list[tuple[int, ...]]:
+    """The four workloads' requests as one shuffled stream, the order every engine serves."""
+    stream = [r for w in workloads(seed, scale) for r in w.requests]
+    random.Random(seed).shuffle(stream)
+    return stream
+
+
 def run(page_size: int, scale: float, seed: int, rows: list[list[str]],
         memory: list[list[str]]) -> None:
     """Time every operation of the stream on each engine (``rows``) and measure each
     tree's metadata per cached token (``memory``: a figure of another kind, whose ratio
     reads the other way, so kept out of the timing table)."""
-    stream = [r for w in workloads(seed, scale) for r in w.requests]
-    random.Random(seed).shuffle(stream)
-    device, host = 32768, 65536  # tokens: the long documents overflow the device
+    stream = request_stream(seed, scale)
+    device, host = DEVICE_TOKENS, HOST_TOKENS
     makers = competitors(page_size)
     ours = Ours(page_size, device, host)
     others = [make(device, host) for make in makers]

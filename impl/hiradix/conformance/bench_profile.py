@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import random
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hiradix.conformance.bench import OPS, Ours, Timings, table, workloads
+from hiradix.conformance.bench import (
+    DEVICE_TOKENS,
+    HOST_TOKENS,
+    OPS,
+    Ours,
+    Timings,
+    request_stream,
+    table,
+)
 
 #  (file name, function name) of one pstats entry; builtins have the file "~".
 Where = tuple[str, str]
@@ -85,9 +92,8 @@ def breakdown(page_size: int, scale: float, seed: int) -> list[tuple[str, int, d
                                                                       float, float, float]]:
     """Per operation: (name, calls, share of own time per kind, µs per call under
     cProfile, torch kernels per call, C calls per call)."""
-    stream = [r for w in workloads(seed, scale) for r in w.requests]
-    random.Random(seed).shuffle(stream)
-    ours = Ours(page_size, 32768, 65536)  # the bench's sizes: the documents overflow
+    stream = request_stream(seed, scale)
+    ours = Ours(page_size, DEVICE_TOKENS, HOST_TOKENS)
     timings = ProfiledTimings()
     ours.t = timings
     keys = [ours.key(r) for r in stream]

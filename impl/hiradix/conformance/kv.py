@@ -9,6 +9,7 @@ freed or reused while a copy was in flight shows up as the wrong pattern.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -30,19 +31,12 @@ def _values(seeds: torch.Tensor, elements: int) -> torch.Tensor:
     return (seeds.unsqueeze(-1) + step) % MODULUS - MODULUS // 2
 
 
-def _elements(token_shape: tuple[int, ...]) -> int:
-    elements = 1
-    for size in token_shape:
-        elements *= size
-    return elements
-
-
 def pattern(content: Key, layer: int, token_shape: tuple[int, ...],
             dtype: torch.dtype) -> torch.Tensor:
     """The KV one token of ``content`` has in ``layer``: distinct per element, so a
     transposed or shifted copy does not match either."""
     seed = torch.tensor(_seed(content, layer), dtype=torch.int64)
-    return _values(seed, _elements(token_shape)).to(dtype).reshape(token_shape)
+    return _values(seed, math.prod(token_shape)).to(dtype).reshape(token_shape)
 
 
 def patterns(contents: list[Key], layers: int, token_shape: tuple[int, ...],
@@ -52,5 +46,5 @@ def patterns(contents: list[Key], layers: int, token_shape: tuple[int, ...],
     writes KV on most steps; one op per token was a fifth of its time, issue 13)."""
     seeds = torch.tensor([[_seed(c, layer) for c in contents] for layer in range(layers)],
                          dtype=torch.int64).reshape(layers, len(contents))
-    values = _values(seeds, _elements(token_shape))
+    values = _values(seeds, math.prod(token_shape))
     return values.to(dtype).reshape(layers, len(contents), *token_shape)
