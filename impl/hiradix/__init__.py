@@ -26,14 +26,16 @@ from hiradix.device_pool import DeviceKVPool
 from hiradix.distributed import LocalSync, RankSync, TorchDistributedSync
 from hiradix.errors import (
     ConfigError,
+    EventSinkError,
     ForeignNode,
     HiradixError,
     InvalidArgument,
     InvariantViolation,
     NotLocked,
+    RankSyncError,
     SlotError,
 )
-from hiradix.events import EventLog, EventSink, KVEvent
+from hiradix.events import EventChannel, EventLog, EventSink, KVEvent
 from hiradix.host_pool import HostKVPool
 from hiradix.keys import RadixKey
 from hiradix.policies import STRATEGIES, WRITE_POLICIES, Strategy, WritePolicy
@@ -56,8 +58,10 @@ __all__ = [
     "ConfigError",
     "CountingClock",
     "DeviceKVPool",
+    "EventChannel",
     "EventLog",
     "EventSink",
+    "EventSinkError",
     "FileBackend",
     "ForeignNode",
     "HiRadixCache",
@@ -74,6 +78,7 @@ __all__ = [
     "NotLocked",
     "RadixKey",
     "RankSync",
+    "RankSyncError",
     "SlotError",
     "StorageArgumentError",
     "StorageBackend",

@@ -195,14 +195,22 @@ class PageAllocator:
         self._stack[self._top - count:self._top] = heads
         self._top -= count
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Allocate ``num_tokens`` slots as whole pages; None (and no change) if too few
-        pages are free. Returns an int64 CPU tensor of slot ids."""
+    def can_alloc(self, num_tokens: int) -> bool:
+        """Whether ``alloc(num_tokens)`` would succeed now; its argument checks, and no
+        change (a rank's proposal before the allocation it decides, spec/12 12.6)."""
+        return self._pages_for(num_tokens) <= self.num_pages - self._top
+
+    def _pages_for(self, num_tokens: int) -> int:
         check_int(num_tokens, "num_tokens", minimum=0)
         if num_tokens % self._page_size:
             raise SlotError("num_tokens", f"must be a multiple of page_size "
                                           f"{self._page_size}, got {num_tokens}")
-        count = num_tokens // self._page_size
+        return num_tokens // self._page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate ``num_tokens`` slots as whole pages; None (and no change) if too few
+        pages are free. Returns an int64 CPU tensor of slot ids."""
+        count = self._pages_for(num_tokens)
         if count > self.num_pages - self._top:
             return None
         if count == 0:
@@ -471,12 +479,44 @@ class SlotPool:
     def page_size(self) -> int:
         return self.allocator.page_size
 
+    # The owner's slots (``claim``): None, a caller may free any allocated page;
+    # ALL_SLOTS, every allocated slot is the owner's; else the flags of the owner's.
+    _owned: SlotMarks | Literal["all"] | None = None
+
+    def claim(self, owned: SlotMarks | Literal["all"]) -> None:
+        """Hand the pool to an owner (a cache, at each reset): from then on ``free``
+        refuses, with ``SlotError`` on ``slots`` and nothing freed, every slot the owner
+        holds: those flagged in ``owned`` (the device pool: the tree's slots, issue 34),
+        or with ``"all"`` every allocated one (the host pool: only the tree and the
+        storage tier hold host slots, spec/09 9.2, and they give them back with
+        ``release``)."""
+        self._owned = owned
+
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """``num_tokens`` slots in whole pages, or None if too few are free."""
         return self.allocator.alloc(num_tokens)
 
+    def can_alloc(self, num_tokens: int) -> bool:
+        """Whether ``alloc(num_tokens)`` would succeed now (see ``PageAllocator``)."""
+        return self.allocator.can_alloc(num_tokens)
+
     def free(self, slots: torch.Tensor) -> None:
-        """Free whole pages given as their slots (see ``PageAllocator.free``)."""
+        """Free whole pages a caller holds, given as their slots (see
+        ``PageAllocator.free``); a slot the pool's owner holds (``claim``) is refused:
+        freeing it would let the next ``alloc`` hand out the owner's KV."""
+        owned = self._owned
+        if owned is not None:
+            checked = check_slot_tensor(slots, "slots", self.num_slots)
+            if owned == "all":
+                if checked.numel():
+                    raise SlotError("slots", "every allocated slot of this pool is its "
+                                             "cache's (tree or storage tier): a caller holds "
+                                             "none to free")
+            elif owned.any(checked):
+                position = int(owned.tensor[checked].nonzero()[0])
+                raise SlotError("slots", f"slot {int(checked[position])} (slots[{position}]) "
+                                         "belongs to a cached node; only slots the caller "
+                                         "holds may be freed")
         self.allocator.free(slots)
 
     def release(self, slots: torch.Tensor) -> None:

@@ -13,10 +13,11 @@ error from ``hiradix.errors`` leaves the cache as it was.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Concatenate, Literal, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
@@ -25,9 +26,17 @@ from hiradix.clock import Clock, CountingClock
 from hiradix.config import CacheConfig, KVShape
 from hiradix.decisions import BackupDecision, DeviceVictim, LoadDecision, PageRef, Recorder
 from hiradix.device_pool import DeviceKVPool
-from hiradix.distributed import LocalSync, RankSync
-from hiradix.errors import ConfigError, ForeignNode, InvalidArgument, NotLocked, SlotError
-from hiradix.events import EventKind, EventSink, KVEvent, Medium
+from hiradix.distributed import LocalSync, RankSync, check_sync
+from hiradix.errors import (
+    ConfigError,
+    EventSinkError,
+    ForeignNode,
+    InvalidArgument,
+    NotLocked,
+    RankSyncError,
+    SlotError,
+)
+from hiradix.events import EventChannel, EventKind, EventSink, KVEvent, Medium, check_sink
 from hiradix.host_pool import HostKVPool, HostLayout
 from hiradix.keys import TOKEN_BYTES, RadixKey, common_pages
 from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
@@ -39,6 +48,27 @@ if TYPE_CHECKING:  # the storage tier imports this module
     from hiradix.storage.tier import StorageTier, TierSettings
 
 EMPTY = torch.empty(0, dtype=torch.int64)
+
+Params = ParamSpec("Params")
+Returned = TypeVar("Returned")
+
+
+def check_clock(clock: object) -> None:
+    """None or a ``Clock`` (a callable ``now``), else ``ConfigError`` naming ``clock``."""
+    if clock is not None and not (isinstance(clock, Clock) and callable(clock.now)):
+        raise ConfigError("clock", f"must be None or a Clock (a now() -> int method), got "
+                                   f"{type(clock).__name__}")
+
+
+def _delivering(method: Callable[Concatenate[HiRadixCache, Params], Returned]
+                ) -> Callable[Concatenate[HiRadixCache, Params], Returned]:
+    """``method`` as one operation of the event channel: its KV events reach the sink
+    after it has returned, its state whole (spec/11, 11.7)."""
+    @functools.wraps(method)
+    def operation(self: HiRadixCache, *args: Params.args, **kwargs: Params.kwargs
+                  ) -> Returned:
+        return self.event_channel.run(method, self, *args, **kwargs)
+    return operation
 
 
 class MatchResult(NamedTuple):
@@ -113,6 +143,9 @@ class HiRadixCache:
         receives the KV events (spec/11; ``hiradix.events``)."""
         config = CacheConfig(page_size=page_size, write_policy=write_policy, eviction=eviction,
                              load_back_threshold=load_back_threshold)
+        check_clock(clock)
+        check_sync(sync)
+        check_sink(events)
         if not is_int(device_slots) or device_slots < page_size \
                 or device_slots % page_size:  # type: ignore[operator]
             raise ConfigError("device_slots", f"must be an int, a positive multiple of "
@@ -134,6 +167,13 @@ class HiRadixCache:
         except SlotError as error:  # the pools' argument names, in this method's words
             raise ConfigError(renamed.get(error.argument, error.argument),
                               error.reason) from error
+        if host_pool.num_slots <= device_pool.num_slots:
+            # SGLang refuses it too: the host tier holds every device page's backup, and
+            # storage prefetch gets 4/5 of the host beyond the device (spec/09, 9.4).
+            raise ConfigError("host_ratio" if host_ratio is not None else "host_bytes",
+                              f"gives {host_pool.num_slots} host slots, not more than the "
+                              f"{device_pool.num_slots} device slots (SGLang needs "
+                              "host_ratio > 1)")
         return cls(config, device_pool, host_pool, engine, clock=clock, sync=sync,
                    events=events)
 
@@ -151,6 +191,11 @@ class HiRadixCache:
     ) -> None:
         if device_pool.page_size != config.page_size or host_pool.page_size != config.page_size:
             raise InvalidArgument("device_pool/host_pool", "page sizes differ from the config")
+        check_clock(clock)
+        check_sync(sync)
+        # The KV event channel (spec/11, 11.7): events reach the sink after each
+        # operation, its state whole; None: no events, and nothing is built for them.
+        self.event_channel = EventChannel(events)
         self.config = config
         self.page_size = config.page_size
         self.device_pool = device_pool
@@ -159,8 +204,6 @@ class HiRadixCache:
         self.clock: Clock = clock or CountingClock()
         self.sync: RankSync = sync or LocalSync()
         self.recorder = recorder
-        # The KV event sink (spec/11); None: no events, and nothing is built for them.
-        self.events: EventSink | None = events
         # Called with each node a write_back eviction has just copied to host (one page,
         # host copy complete), so a storage tier can back it up (spec/09, S-R1).
         self.on_write_back: Callable[[TreeNode], None] | None = None
@@ -170,10 +213,25 @@ class HiRadixCache:
         self._storage: StorageTier | None = None  # attach_storage_backend's tier
         self._in_tier_writing_check = False
         self._threshold = backup_threshold(config.write_policy)
-        self.reset()
+        try:
+            self.reset()
+        except EventSinkError as error:  # the cache is built: the caller gets it there
+            error.result = self
+            raise
+
+    @property
+    def events(self) -> EventSink | None:
+        """The KV event sink (spec/11), or None. Settable: None or a callable taking a
+        ``KVEvent``, else ``ConfigError`` naming ``events`` and nothing changed."""
+        return self.event_channel.sink
+
+    @events.setter
+    def events(self, sink: EventSink | None) -> None:
+        self.event_channel.sink = sink
 
     # ------------------------------------------------------------------ state
 
+    @_delivering
     def reset(self) -> None:
         """Drop everything, including copies in flight and slots callers hold."""
         if self.on_reset is not None:
@@ -184,6 +242,9 @@ class HiRadixCache:
         self.root = TreeNode(self, None, (), None)  # owns no slots, is never evicted
         # Which device slots a node owns: tells a caller's slot from the tree's in O(1).
         self._device_owned = SlotMarks(self.device_pool.num_slots)
+        # The pools' own ``free`` refuses the tree's slots from now on (issue 34).
+        self.device_pool.claim(self._device_owned)
+        self.host_pool.claim("all")
         self.evictable_tokens = 0
         self.protected_tokens = 0
         self.device_leaves: set[TreeNode] = set()
@@ -194,9 +255,9 @@ class HiRadixCache:
         self.pending: dict[Direction, deque[PendingCopy]] = {"d2h": deque(), "h2d": deque()}
         self._issued = 0
         self.last_tick = 0
-        if self.events is not None:  # spec/11 11.3: reset empties device and host
-            self.events(KVEvent("cleared", "device"))
-            self.events(KVEvent("cleared", "host"))
+        if self.event_channel.enabled:  # spec/11 11.3: reset empties device and host
+            self.event_channel.emit(KVEvent("cleared", "device"))
+            self.event_channel.emit(KVEvent("cleared", "host"))
 
     def evictable_size(self) -> int:
         return self.evictable_tokens
@@ -224,7 +285,7 @@ class HiRadixCache:
                     releasing: bool = False) -> None:
         """``releasing``: the old slots go to an eviction's ``freed``, whose release
         (``release_parts`` at its end) clears their ownership for all its nodes in one call."""
-        if self.events is not None and (node.device is None) != (slots is None):
+        if self.event_channel.enabled and (node.device is None) != (slots is None):
             self._emit("stored" if slots is not None else "removed", "device", node)
         self._count(node, -1)
         if node.device is not None and not releasing:
@@ -235,12 +296,10 @@ class HiRadixCache:
         self._count(node, +1)
 
     def _emit(self, kind: EventKind, medium: Medium, node: TreeNode) -> None:
-        """One event per page of ``node``, root-most first (spec/11, 11.1)."""
-        assert self.events is not None
-        prefix = node.prefix()
-        for end in range(len(prefix) - len(node.tokens) + self.page_size, len(prefix) + 1,
-                         self.page_size):
-            self.events(KVEvent(kind, medium, node.namespace, prefix[:end]))
+        """One event per page of ``node``, root-most first (spec/11, 11.1), to the
+        channel (delivered when the operation is done, 11.7)."""
+        self.event_channel.emit_pages(kind, medium, node.namespace, node.prefix(),
+                                      len(node.tokens), self.page_size)
 
     def _add_lock(self, node: TreeNode, delta: int) -> int:
         """Add ``delta`` to the lock of ``node`` and its ancestors; return evictable change."""
@@ -512,6 +571,7 @@ class HiRadixCache:
             return False
         return self.device_pool.allocator.held_once(heads)
 
+    @_delivering
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
         """Cache ``key`` (KV in ``slots``); return the tokens that were already cached.
@@ -567,7 +627,11 @@ class HiRadixCache:
         if self._threshold is not None:
             due = [n for n in counting if n.hits >= self._threshold and n.host is None]
             if due:
-                self._backup(self._missing_suffix(due[-1]))
+                try:
+                    self._backup(self._missing_suffix(due[-1]))
+                except RankSyncError as error:  # the insert is done, its backup is not
+                    error.result = prefix
+                    raise
         return prefix
 
     def _require_counted_from(self, counted_from: object, aligned: int) -> None:
@@ -637,6 +701,7 @@ class HiRadixCache:
             self.recorder.backups.append(BackupDecision(
                 tuple(victims), None if host is None else tuple(host.tolist())))
 
+    @_delivering
     def write_backup(self, node: TreeNode) -> bool:
         """Back up ``node`` and the ancestors above it that lack a host copy, in one copy.
 
@@ -647,6 +712,7 @@ class HiRadixCache:
             raise InvalidArgument("node", "must be on device and not yet backed up")
         return self._backup(self._missing_suffix(node))
 
+    @_delivering
     def writing_check(self) -> int:
         """Acknowledge the device-to-host copies that finished (FIFO); return how many.
 
@@ -667,12 +733,14 @@ class HiRadixCache:
         finally:
             self._in_tier_writing_check = False
 
+    @_delivering
     def acknowledge_writes(self) -> int:
         """``writing_check`` without the storage backups: acknowledge the device-to-host
         copies that finished (FIFO); return how many. For the storage tier, which backs
         the acknowledged pages up itself."""
         return self._acknowledge("d2h")
 
+    @_delivering
     def loading_check(self) -> int:
         """Acknowledge the host-to-device copies that finished (FIFO); return how many."""
         return self._acknowledge("h2d")
@@ -690,7 +758,7 @@ class HiRadixCache:
                 for node in covered:
                     node.host_ref -= 1
                     self._refresh(node)
-            elif self.events is not None:  # the backup landed: its pages are on host
+            elif self.event_channel.enabled:  # the backup landed: its pages are on host
                 landed = copy.nodes()
                 assert landed is not None, f"copy {copy.ticket} lost its nodes"
                 for node in landed:
@@ -731,6 +799,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ eviction
 
+    @_delivering
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens in rank order (or all evictable)."""
         if type(num_tokens) is not int or num_tokens < 0:  # the check, inline on success
@@ -743,12 +812,27 @@ class HiRadixCache:
     def _evict(self, target: int) -> tuple[int, list[DeviceVictim]]:
         order = self._device_order
         order.begin()
-        evicted = 0
         victims: list[DeviceVictim] = []
         kept: set[TreeNode] = set()  # write_back victims neither copied nor droppable
         freed: list[torch.Tensor] = []  # device slots, released in one call at the end
+        try:
+            evicted = self._evict_loop(target, victims, kept, freed)
+        finally:  # also when a write_back victim's collective failed (spec/12, 12.6)
+            for node in kept:  # still evictable leaves: back in the order for later calls
+                if node in self.device_leaves:
+                    order.push_back(node)
+            # The nodes dropped their slots ``releasing``: their ownership flags are
+            # cleared here, with the release, in one call for the whole eviction.
+            self.device_pool.release_parts(freed, self._device_owned)
+        return evicted, victims
+
+    def _evict_loop(self, target: int, victims: list[DeviceVictim], kept: set[TreeNode],
+                    freed: list[torch.Tensor]) -> int:
+        """``_evict``'s loop: victims until ``target`` tokens are freed; returns them."""
+        order = self._device_order
         write_back = self.config.write_policy == "write_back"
         recorder = self.recorder
+        evicted = 0
         while evicted < target:
             node = order.pop()
             if node is None:
@@ -772,13 +856,7 @@ class HiRadixCache:
                     kept.add(node)
                     continue
                 evicted += self.page_size
-        for node in kept:  # still evictable leaves: back in the order for later calls
-            if node in self.device_leaves:
-                order.push_back(node)
-        # The nodes dropped their slots ``releasing``: their ownership flags are cleared
-        # here, with the release, in one call for the whole eviction.
-        self.device_pool.release_parts(freed, self._device_owned)
-        return evicted, victims
+        return evicted
 
     def _drop_device_copy(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
         """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
@@ -790,7 +868,7 @@ class HiRadixCache:
         device leaf, and only it and its parent can change leaf sets."""
         device = node.device
         assert device is not None and node.lock_ref == 0
-        if self.events is not None:
+        if self.event_channel.enabled:
             self._emit("removed", "device", node)
         freed.append(device)
         node.device = None
@@ -834,7 +912,7 @@ class HiRadixCache:
         # so it copies directly rather than through the asynchronous engine.
         self.host_pool.copy_from_device_unchecked(self.device_pool, node.device, host)
         node.host = host
-        if self.events is not None:
+        if self.event_channel.enabled:
             self._emit("stored", "host", node)
         freed.append(node.device)
         self._set_device(node, None, releasing=True)
@@ -866,7 +944,7 @@ class HiRadixCache:
         host_freed = []
         for n in doomed:
             if n.host is not None:
-                if self.events is not None:
+                if self.event_channel.enabled:
                     self._emit("removed", "host", n)
                 host_freed.append(n.host)
                 n.host = None
@@ -878,6 +956,7 @@ class HiRadixCache:
         self.host_pool.release_parts(host_freed)
         self._detach(node)
 
+    @_delivering
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens of host-only pages (or all evictable)."""
         self._require_count(num_tokens, "num_tokens")
@@ -894,12 +973,15 @@ class HiRadixCache:
     def _agreed_alloc(self, pool: DeviceKVPool | HostKVPool, tokens: int,
                       what: str) -> torch.Tensor | None:
         """``tokens`` slots of ``pool`` on every rank or on none (spec/12, 12.3): a rank
-        whose pool is fuller must not leave the others with a copy it lacks."""
+        whose pool is fuller must not leave the others with a copy it lacks. The
+        consensus comes before the allocation it decides (12.6): a failing collective
+        leaves the pool as it was."""
+        able = pool.can_alloc(tokens)  # checks ``tokens`` as alloc does
+        if not self.sync.min(int(able), what):
+            return None
         slots = pool.alloc(tokens)
-        if self.sync.min(int(slots is not None), what) or slots is None:
-            return slots
-        pool.release(slots)
-        return None
+        assert slots is not None, "can_alloc said yes and nothing ran since"
+        return slots
 
     def _evict_host(self, target: int) -> tuple[int, list[PageRef]]:
         order = self._host_order
@@ -914,7 +996,7 @@ class HiRadixCache:
             assert node.parent is not None and node.host is not None
             if self.recorder is not None:
                 victims.extend(self._page_refs(node))
-            if self.events is not None:
+            if self.event_channel.enabled:
                 self._emit("removed", "host", node)
             freed.append(node.host)
             evicted += len(node.tokens)
@@ -925,6 +1007,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ load back
 
+    @_delivering
     def load_back(self, node: TreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
         """Start copying the host-only chain ending at ``node`` to device, all or nothing.
 
@@ -949,16 +1032,28 @@ class HiRadixCache:
                 mem_quota is not None and tokens > mem_quota - newly_locked):
             self._record_load([], None)
             return None
+        # The room is agreed before the chain is protected (spec/12, 12.6): a failing
+        # collective here leaves nothing to undo.
+        shortfall = tokens - self.sync.min(self.device_pool.num_free_slots, "load room")
         for n in chain:  # host eviction while making room must not take the chain
             n.host_ref += 1
             self._refresh(n)
         if anchor is not self.root:
             self._add_lock(anchor, +1)
-        shortfall = tokens - self.sync.min(self.device_pool.num_free_slots, "load room")
-        victims = self._evict(shortfall)[1] if shortfall > 0 else []
-        if anchor is not self.root:
-            self._add_lock(anchor, -1)
-        device = self._agreed_alloc(self.device_pool, tokens, "load alloc")
+        locked = anchor is not self.root
+        try:
+            victims = self._evict(shortfall)[1] if shortfall > 0 else []
+            if locked:
+                self._add_lock(anchor, -1)
+                locked = False
+            device = self._agreed_alloc(self.device_pool, tokens, "load alloc")
+        except BaseException:  # a collective failed (RankSyncError): no protection leaks
+            if locked:
+                self._add_lock(anchor, -1)
+            for n in chain:
+                n.host_ref -= 1
+                self._refresh(n)
+            raise
         if device is None:
             for n in chain:
                 n.host_ref -= 1
@@ -990,6 +1085,7 @@ class HiRadixCache:
             self.recorder.loads.append(LoadDecision(
                 tuple(victims), None if device is None else tuple(device.tolist())))
 
+    @_delivering
     def init_load_back(self, node: TreeNode,
                        mem_quota: int | None = None) -> tuple[torch.Tensor, TreeNode]:
         """Load ``node`` back if it is host-only; return the slots and the node to use."""
@@ -1016,25 +1112,12 @@ class HiRadixCache:
     def free(self, slots: torch.Tensor) -> None:
         """Give back device slots the caller holds (whole pages; the partial tail page and
         the duplicates ``insert`` reports). Slots a node owns are refused with
-        ``InvalidArgument("slots")`` and nothing is freed: freeing them would let the next
-        ``alloc`` hand out the tree's KV (issue 12). SGLang's allocator ``free``."""
-        if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1:
-            raise InvalidArgument("slots", "must be a 1-D torch.int64 tensor")
-        if slots.device.type == "meta":
-            raise InvalidArgument("slots", "is on the meta device, which holds no values")
-        checked = slots.to("cpu")
-        in_range = (checked >= 0) & (checked < self.device_pool.num_slots)
-        if not bool(in_range.all()):
-            bad = int(checked[~in_range][0])
-            raise InvalidArgument("slots", f"slot {bad} is out of range "
-                                           f"[0, {self.device_pool.num_slots})")
-        owned = self._device_owned.tensor[checked]
-        if bool(owned.any()):
-            position = int(owned.nonzero()[0])
-            raise InvalidArgument("slots", f"slot {int(checked[position])} (slots[{position}]) "
-                                           "belongs to a cached node; only slots the caller "
-                                           "holds may be freed")
-        self.device_pool.free(checked)  # whole pages, allocated, none twice: else SlotError
+        ``SlotError`` (an ``InvalidArgument``) on ``slots`` and nothing is freed: freeing
+        them would let the next ``alloc`` hand out the tree's KV (issue 12). SGLang's
+        allocator ``free``."""
+        # The pool refuses the tree's slots itself (``claim`` at reset): one guard for
+        # this call and for ``device_pool.free`` (issue 34).
+        self.device_pool.free(slots)  # whole pages, allocated, none twice: else SlotError
 
     # ------------------------------------------------------------------ storage
 
@@ -1069,6 +1152,7 @@ class HiRadixCache:
         self._storage = tier
         return outcome
 
+    @_delivering
     def detach_storage_backend(self) -> bool:
         """Detach the storage tier (spec/09, 9.4 ``detach_storage``): its I/O drains and
         stops, every slot it held is given back. False if none was attached."""

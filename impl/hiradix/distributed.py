@@ -24,12 +24,16 @@ import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
+from hiradix._slots import is_int
+from hiradix.errors import ConfigError, RankSyncError
 
+
+@runtime_checkable
 class RankSync(Protocol):
     def min(self, value: int, what: str = "") -> int:
         """The minimum of ``value`` over all ranks (every rank must call it)."""
@@ -38,6 +42,16 @@ class RankSync(Protocol):
     def min_all(self, values: Sequence[int], what: str = "") -> tuple[int, ...]:
         """The element-wise minimum over all ranks (equal lengths on every rank)."""
         ...
+
+
+def check_sync(sync: object) -> None:
+    """None or a ``RankSync`` (callable ``min`` and ``min_all``), else ``ConfigError``
+    naming ``sync``: checked where the cache is built, so that a bad one fails there and
+    not at its first collective, after a side effect (spec/12, 12.6)."""
+    if sync is not None and not (isinstance(sync, RankSync) and callable(sync.min)
+                                 and callable(sync.min_all)):
+        raise ConfigError("sync", f"must be None or a RankSync (min and min_all methods), "
+                                  f"got {type(sync).__name__}")
 
 
 class LocalSync:
@@ -83,7 +97,7 @@ class Ledger:
         return results
 
 
-class CollectiveMismatch(RuntimeError):
+class CollectiveMismatch(RankSyncError, RuntimeError):
     """Ranks of one ``LocalRanks`` group reached different collectives (the deadlock a
     real group would hang in), or one of them waited past the timeout."""
 
@@ -98,8 +112,8 @@ class LocalRanks:
     rank."""
 
     def __init__(self, world: int, timeout_s: float = 10.0) -> None:
-        if world < 1:
-            raise ValueError(f"world must be >= 1, got {world}")
+        if not is_int(world) or world < 1:
+            raise ConfigError("world", f"must be an int >= 1, got {world!r}")
         self.world = world
         self.timeout_s = timeout_s
         self._barrier = threading.Barrier(world)
@@ -123,22 +137,22 @@ class LocalRanks:
         self._wait(what)  # every rank has read the slots before any overwrites its own
         names = [entry[0] if entry is not None else None for entry in arrived]
         if len(set(names)) != 1:
-            raise CollectiveMismatch(f"rank {rank} issued {what!r}; the ranks issued "
-                                     f"{names}")
+            raise CollectiveMismatch(what, f"rank {rank} issued it; the ranks issued "
+                                           f"{names}")
         return [entry[1] for entry in arrived if entry is not None]
 
     def _min_all(self, rank: int, what: str, values: tuple[int, ...]) -> tuple[int, ...]:
         proposals = [p for p in self._meet(rank, what, values) if isinstance(p, tuple)]
         if len({len(p) for p in proposals}) != 1:
-            raise CollectiveMismatch(f"{what!r}: ranks proposed different numbers of values")
+            raise CollectiveMismatch(what, "ranks proposed different numbers of values")
         return tuple(min(column) for column in zip(*proposals, strict=True))
 
     def _wait(self, what: str) -> None:
         try:
             self._barrier.wait(self.timeout_s)
         except threading.BrokenBarrierError:
-            raise CollectiveMismatch(f"collective {what!r}: not every rank arrived within "
-                                     f"{self.timeout_s} s (a rank skipped it)") from None
+            raise CollectiveMismatch(what, f"not every rank arrived within "
+                                           f"{self.timeout_s} s (a rank skipped it)") from None
 
 
 class _RankOf:
@@ -167,12 +181,26 @@ class TorchDistributedSync:
     def __init__(self, group: dist.ProcessGroup | None = None, *,
                  pp_group: dist.ProcessGroup | None = None, pp_rank: int = 0,
                  pp_size: int = 1, checked: bool = True) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised")
+        for name, value in (("group", group), ("pp_group", pp_group)):
+            if value is not None and not isinstance(value, dist.ProcessGroup):
+                raise ConfigError(name, f"must be None or a torch.distributed.ProcessGroup, "
+                                        f"got {type(value).__name__}")
+        if not is_int(pp_size) or pp_size < 1:
+            raise ConfigError("pp_size", f"must be an int >= 1, got {pp_size!r}")
+        if not is_int(pp_rank) or not 0 <= pp_rank < pp_size:
+            raise ConfigError("pp_rank", f"must be a stage in [0, {pp_size}), got {pp_rank!r}")
         if pp_size > 1 and pp_group is None:
-            raise ValueError("pp_size > 1 needs a pp_group")
-        if not 0 <= pp_rank < pp_size:
-            raise ValueError(f"pp_rank {pp_rank} is not a stage of {pp_size}")
+            raise ConfigError("pp_group", "pp_size > 1 needs a pp_group")
+        if not isinstance(checked, bool):
+            raise ConfigError("checked", f"must be a bool, got {checked!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("group", "torch.distributed is not initialised: there is no "
+                                       "process group to agree over")
+        for name, value in (("group", group), ("pp_group", pp_group)):
+            # A group this process is not a member of answers every collective with an
+            # error: refused here, not at the first collective after a side effect.
+            if value is not None and dist.get_rank(value) < 0:
+                raise ConfigError(name, "this process is not a member of the group")
         self.group = group
         self.pp_group = pp_group
         self.pp_rank = pp_rank
@@ -189,12 +217,23 @@ class TorchDistributedSync:
         values silently, or hang on payloads of different sizes."""
         if not values:
             return ()
+        if not all(is_int(v) for v in values):
+            raise ConfigError("values", f"must be ints, got {list(values)!r}")
         if self.checked:
             self.check(what, len(values))
         tensor = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        self._relay(tensor)
+        self._collective(tensor, what)
         return tuple(int(v) for v in tensor.tolist())
+
+    def _collective(self, tensor: torch.Tensor, what: str) -> None:
+        """all_reduce(MIN) then the relay; a failing one (a peer gone, a broken group:
+        torch raises RuntimeError, its DistBackendError, or ValueError) as
+        ``RankSyncError`` with the cause chained (spec/12, 12.6)."""
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+            self._relay(tensor)
+        except (RuntimeError, ValueError) as error:
+            raise RankSyncError(what, f"the collective failed: {error}") from error
 
     def check(self, what: str, size: int = 0) -> None:
         """Every rank is at a collective named ``what`` of ``size`` values, or every
@@ -203,12 +242,11 @@ class TorchDistributedSync:
         ``all_gather_object``) calls it first, so it cannot pair with a collective."""
         stamp = zlib.crc32(what.encode())
         header = torch.tensor([size, -size, stamp, -stamp], dtype=torch.int64)
-        dist.all_reduce(header, op=dist.ReduceOp.MIN, group=self.group)
-        self._relay(header)
+        self._collective(header, what)
         low_size, high_size, low_stamp, high_stamp = (int(v) for v in header.tolist())
         if low_size != -high_size or low_stamp != -high_stamp:
-            raise CollectiveMismatch(f"collective {what!r}: the ranks issued different "
-                                     "collectives here (one skipped or added one)")
+            raise CollectiveMismatch(what, "the ranks issued different collectives here "
+                                           "(one skipped or added one)")
 
     def _relay(self, tensor: torch.Tensor) -> None:
         if self.pp_size <= 1:

@@ -38,6 +38,35 @@ class ConfigError(InvalidArgument):
     """A configuration field is invalid."""
 
 
+class EventSinkError(HiradixError):
+    """The KV event sink raised (spec/11, 11.7). The operation completed and its state is
+    whole; every one of its events was still offered, in order. ``result`` is what the
+    operation returned, ``failures`` how many of its ``offered`` events the sink raised
+    on; ``__cause__`` is the first exception."""
+
+    def __init__(self, result: object, failures: int, offered: int) -> None:
+        super().__init__(f"events: the KV event sink raised on {failures} of {offered} "
+                         "events (the operation completed; its result is this error's "
+                         "``result``)")
+        self.result = result
+        self.failures = failures
+        self.offered = offered
+
+
+class RankSyncError(HiradixError):
+    """A collective across ranks failed (spec/12, 12.6): a broken or wrong process group,
+    a peer gone. ``what`` names the decision; ``__cause__`` is the collective's own
+    error. The sync object is unchanged; the cache that issued it is whole, with the
+    operation done up to the decision and nothing of what the decision decides."""
+
+    def __init__(self, what: str, reason: str) -> None:
+        super().__init__(f"collective {what!r}: {reason}")
+        self.what = what
+        self.reason = reason
+        # An insert whose backup's collective failed is done: its result (12.6).
+        self.result: object = None
+
+
 class InvariantViolation(HiradixError, AssertionError):
     """check_invariants() found a broken invariant; ``spec_id`` names it (spec/05)."""
 

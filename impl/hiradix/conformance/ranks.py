@@ -32,6 +32,7 @@ import torch
 from hiradix.cache import HiRadixCache, MatchResult, PendingCopy
 from hiradix.conformance.abstraction import page_keys
 from hiradix.distributed import CollectiveMismatch, Ledger, LocalRanks, LocalSync, RankSync
+from hiradix.errors import RankSyncError
 from hiradix.keys import RadixKey
 from hiradix.policies import WritePolicy
 from hiradix.storage.config import PrefetchPolicy
@@ -470,7 +471,7 @@ def run_rank_process(rank: int, world: int, port: int, skew: Skew, seed: int, st
                 dist.all_gather_object(got, mine)
             except CollectiveMismatch:
                 raise
-            except RuntimeError as error:
+            except (RankSyncError, RuntimeError) as error:
                 raise CollectiveTimeout(f"the checker's exchange of rank records failed "
                                         f"(a rank hung up): {str(error).splitlines()[0]}"
                                         ) from error
@@ -499,7 +500,7 @@ class _Named:
             return self.inner.min_all(values, what)
         except CollectiveMismatch:
             raise  # it names the collective already
-        except RuntimeError as error:
+        except (RankSyncError, RuntimeError) as error:  # a collective failed, or a hang
             raise CollectiveTimeout(f"collective {what!r} failed (a rank skipped it or "
                                     f"hung): {str(error).splitlines()[0]}") from error
 

@@ -207,11 +207,13 @@ class TierState:
 
 def _serialised(method: Callable[Concatenate[StorageTier, Params], Returned]
                 ) -> Callable[Concatenate[StorageTier, Params], Returned]:
-    """``method`` run under the tier's lock (see the module docstring)."""
+    """``method`` run under the tier's lock (see the module docstring), as one operation
+    of the cache's event channel: its KV events reach the sink once it has returned, the
+    state whole (spec/11, 11.7)."""
     @functools.wraps(method)
     def locked(self: StorageTier, *args: Params.args, **kwargs: Params.kwargs) -> Returned:
         with self.lock:
-            return method(self, *args, **kwargs)
+            return self.cache.event_channel.run(method, self, *args, **kwargs)
     return locked
 
 
@@ -363,8 +365,8 @@ class StorageTier:
         assert not self.state.io_held, self.state.io_held
         self.cache.on_write_back = None
         self._attached = None
-        if self.cache.events is not None:  # no stored page is this cache's to read now
-            self.cache.events(KVEvent("cleared", "storage"))
+        if self.cache.event_channel.enabled:  # no stored page is this cache's to read now
+            self.cache.event_channel.emit(KVEvent("cleared", "storage"))
 
     @_serialised
     def clear(self) -> bool:
@@ -372,8 +374,8 @@ class StorageTier:
         if self._attached is None:
             return False
         self._attached.backend.clear()
-        if self.cache.events is not None:
-            self.cache.events(KVEvent("cleared", "storage"))
+        if self.cache.event_channel.enabled:
+            self.cache.event_channel.emit(KVEvent("cleared", "storage"))
         return True
 
     # ------------------------------------------------------------------ helpers
@@ -536,7 +538,7 @@ class StorageTier:
         assert isinstance(result.op_id, int)
         self.state.io_held.pop(result.op_id, None)  # those queued slots may be freed now
         prefetch = self._by_id(result.op_id)
-        if prefetch is not None and result.corrupt and self.cache.events is not None:
+        if prefetch is not None and result.corrupt and self.cache.event_channel.enabled:
             # The backend discarded the page after the landed ones (DEV-S11; spec/11).
             page = prefetch.anchor + result.pages_done
             self._emit("removed", PageRun(prefetch.key, page, page + 1))
@@ -566,7 +568,7 @@ class StorageTier:
         write = self.state.writes[result.op_id]
         write.done = result.pages_done
         write.phase = "acked"
-        if self.cache.events is not None:  # the pages handled are in storage (spec/11)
+        if self.cache.event_channel.enabled:  # the pages handled are in storage (spec/11)
             for run in write.pages[:write.done]:
                 self._emit("stored", run)
         if result.error is not None:
@@ -708,8 +710,9 @@ class StorageTier:
         node.host = keep.clone()
         parent.children[(key.namespace, tokens[:size])] = node
         cache._refresh_around(node)
-        if cache.events is not None:  # the prefetch insert (spec/11, 11.3)
-            cache._emit("stored", "host", node)
+        if cache.event_channel.enabled:  # the prefetch insert (spec/11, 11.3)
+            cache.event_channel.emit_pages("stored", "host", node.namespace, node.prefix(),
+                                           len(node.tokens), size)
         return landed - walked
 
     @_serialised
@@ -834,9 +837,9 @@ class StorageTier:
 
     def _emit(self, kind: EventKind, run: PageRun) -> None:
         """The storage event of ``run``'s one page (spec/11)."""
-        assert self.cache.events is not None and run.end == run.start + 1, run
+        assert self.cache.event_channel.enabled and run.end == run.start + 1, run
         tokens = run.key.tokens[:run.end * self.page_size]
-        self.cache.events(KVEvent(kind, "storage", run.key.namespace, tokens))
+        self.cache.event_channel.emit(KVEvent(kind, "storage", run.key.namespace, tokens))
 
     def _stored(self, backend: StorageBackend, page_hash: str) -> bool:
         """Whether ``backend`` has the page; a failing check (any ``Exception``) answers
