@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import math
 import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from unittest import SkipTest
 
+import torch
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.database import (
     DirectoryBasedExampleDatabase,
@@ -34,6 +36,13 @@ from hiradix.conformance.bench import main as bench_main
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
+from hiradix.conformance.outputs import (
+    BadCommandLine,
+    OneLineParser,
+    UnwritableOutput,
+    check_directory,
+    check_file,
+)
 from hiradix.conformance.plots import PlotsUnavailable, pyplot, write_check_report
 from hiradix.conformance.rank_campaign import describe, failure_report, run_rank_campaign
 from hiradix.conformance.ranks import RANK_INVARIANTS
@@ -45,6 +54,12 @@ from hiradix.policies import STRATEGIES, WRITE_POLICIES
 from hiradix_model import initial, trace
 
 DEFAULT_PAGE_SIZES = (1, 2, 4, 16)
+# The largest page the checker's pools (6 to 12 pages of KV) are built for: far larger
+# ones would allocate gigabytes before the first step.
+MAX_PAGE_SIZE = 4096
+# A failure found in a batch the budget cut short is replayed without shrinking, for at
+# most as long as the batch had run, or this (seconds), whichever is longer.
+REPLAY_MIN_SECONDS = 5.0
 
 
 COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance machine
@@ -62,16 +77,20 @@ OWN_MACHINES = {"vllm": "hiradix.conformance.vllm_machine",
                 "sglang-storage": "hiradix.conformance.sglang_storage_machine",
                 "sglang-unified-storage": "hiradix.conformance.sglang_unified_storage_machine"}
 STORAGE = (None, "memory", "file")  # ours: no tier, or a tier over this backend
+STORAGE_NAMES = ("none", "memory", "file")  # --storage's spelling of STORAGE
 
 
 def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Sequence[str],
-           engine: str, device: str) -> list[Scenario]:
-    """Every combination the engine takes, in an order that varies every axis early."""
+           engine: str, device: str,
+           storage: Sequence[str] = STORAGE_NAMES) -> list[Scenario]:
+    """Every combination the engine takes, in an order that varies every axis early;
+    ``storage`` names the tiers asked for (ours only)."""
     space = {} if engine in COPY_ENGINES else scenario_space(engine)
     layouts = space.get("host_layout", ("layer_first", "page_first"))
     kinds = space.get("kv_layout", ("mha", "mla"))
     # The storage tier is ours only: an engine's tier would need an adapter of its own.
-    tiers = STORAGE if engine in COPY_ENGINES else (None,)
+    tiers = tuple(tier for tier, name in zip(STORAGE, STORAGE_NAMES, strict=True)
+                  if name in storage) if engine in COPY_ENGINES else (None,)
     axes = ("page_size", "write_policy", "eviction", "host_layout", "kv_layout", "storage")
     combos = [c for c in itertools.product(page_sizes, policies, strategies, layouts, kinds,
                                            tiers)
@@ -166,15 +185,48 @@ def _progress(done: float, tally: Tally) -> None:
               file=sys.stderr, flush=True)
 
 
+class Watch:
+    """Whether an example of the batch failed: a batch the budget cuts short (TimeUp)
+    is replayed only if it had found a failure."""
+
+    failed = False
+
+
+def watched(machine: type[RuleBasedStateMachine], tally: Tally,
+            watch: Watch) -> type[RuleBasedStateMachine]:
+    """``machine`` with the budget checked before each step's checks (each rule step of
+    a large page size can take a second: ``Tally.begin_example`` alone let one example
+    outlast --seconds many times over), and its failures noted in ``watch``."""
+
+    class Watched(machine):  # type: ignore[valid-type, misc]
+        def check_invariants(self, *args: object, **kwargs: object) -> None:
+            tally.check_time()
+            super().check_invariants(*args, **kwargs)
+
+        def teardown(self) -> None:
+            # Hypothesis tears a machine down in a ``finally``: the exception that ends
+            # the example, if any, is the one being raised.
+            ending = sys.exc_info()[1]
+            if isinstance(ending, Exception):
+                watch.failed = True
+            elif ending is None:
+                tally.example_passed()
+            super().teardown()
+
+    Watched.__name__ = Watched.__qualname__ = machine.__name__
+    return Watched
+
+
 def run(args: argparse.Namespace) -> int:
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
-                       args.device)
+                       args.device, args.storage)
     tally = Tally()
     covered: set[Scenario] = set()
     started = time.monotonic()
-    # --seconds bounds the whole run, shrinking included: no example begins after the
-    # deadline (Tally.begin_example raises TimeUp), and a failure whose shrinking was cut
-    # short is replayed from the database as far as it got.
+    # --seconds bounds the whole run, shrinking included: no example and no step begins
+    # after the deadline (Tally.check_time raises TimeUp), and a failure whose shrinking
+    # was cut short is replayed, without shrinking and for a bounded time, as far as it
+    # got (from the database; a seeded batch generates the same examples again).
     ranks = args.engine == "controlled"
     machine_seconds = args.seconds * (1 - RANK_SHARE) if ranks else args.seconds
     if args.examples is None:
@@ -197,28 +249,36 @@ def run(args: argparse.Namespace) -> int:
         if args.examples is None and elapsed >= machine_seconds:
             break
         scenario = scenarios[index % len(scenarios)]
-        machine = machine_for(args.engine, scenario, tally)
+        watch = Watch()
+        machine = watched(machine_for(args.engine, scenario, tally), tally, watch)
         scoped = settings(batch, database=ScopedDatabase(
             database, f"{args.engine}/{scenario.slug()}/{scenario.device}"))
         report: list[str] = []
         cut_short = False
+        batch_started = time.monotonic()
         try:
             try:
                 with with_reporter(report.append):
                     batch_test(machine, scoped, args.seed, index)()
             except TimeUp:
                 # The budget ran out in this batch: while generating, or while shrinking
-                # a failure. Once more without shrinking: a failure saved in the
-                # database (unseeded: as far as shrinking got) replays first; a seeded
-                # batch, which saves nothing, generates the same examples again.
-                tally.deadline = None
+                # a failure. If an example had failed, once more without shrinking, for
+                # a bounded time: a failure saved in the database (unseeded: as far as
+                # shrinking got) replays first; a seeded batch, which saves nothing,
+                # generates the same examples again, no slower than the first time.
                 cut_short = True
-                report = []
-                with with_reporter(report.append):
-                    batch_test(machine, settings(scoped, phases=[
-                        Phase.explicit, Phase.reuse, Phase.generate]), args.seed, index)()
+                if watch.failed:
+                    tally.deadline = time.monotonic() + max(
+                        REPLAY_MIN_SECONDS, time.monotonic() - batch_started)
+                    report = []
+                    with with_reporter(report.append):
+                        batch_test(machine, settings(scoped, phases=[
+                            Phase.explicit, Phase.reuse, Phase.generate]), args.seed,
+                            index)()
         except SkipTest:  # nothing left to run: the time was simply up
             break
+        except TimeUp:  # the replay of the failure ran out of time too
+            return lost_failure(args, scenario)
         except Exception as failure:  # the reporting boundary: every
             # failure of the machine (a disagreement, an invariant, an illegal choice, a
             # crash) is a finding to print with its reproducer, then exit 1.
@@ -229,6 +289,13 @@ def run(args: argparse.Namespace) -> int:
         done = (tally.examples / args.examples if args.examples is not None
                 else (time.monotonic() - started) / args.seconds)
         _progress(done, tally)
+    if not tally.checks:
+        # Not even one rule step was checked: exit 0 would claim a campaign that checked
+        # nothing. The budget was too small for this configuration (no rank run either).
+        print(f"hiradix check: --seconds {args.seconds:g}: the budget ran out before one "
+              "step was checked; nothing was checked (give it more time)", file=sys.stderr,
+              flush=True)
+        return 2
     campaign = None
     if ranks:
         # Drawn from --seed where given, so that a seeded campaign replays.
@@ -260,9 +327,12 @@ def run(args: argparse.Namespace) -> int:
         written = write_check_report(tally, args.report, EXERCISED, COVERAGE)
         print(f"(report: {', '.join(map(str, written))})", flush=True)
     if args.record:
-        config = tally.last_config or scenarios[0].model_config()
-        trace.write(args.record, config, engine_label(args.engine, args.version), tally.last_trace)
-        print(f"(trace of the last example written to {args.record}: "
+        # The last example that ran to its end (else the last one begun, cut short).
+        steps = tally.clean_trace if tally.clean_trace is not None else tally.last_trace
+        config = (tally.clean_config if tally.clean_trace is not None else tally.last_config) \
+            or scenarios[0].model_config()
+        trace.write(args.record, config, engine_label(args.engine, args.version), steps)
+        print(f"(trace of the last complete example written to {args.record}: "
               f"`hiradix replay {args.record}`)", flush=True)
     return 0
 
@@ -275,6 +345,17 @@ def batch_test(machine: type[RuleBasedStateMachine], batch: settings, seeded: in
     if seeded is not None:
         test = seed(seeded * 1_000_003 + index)(test)
     return test  # type: ignore[no-any-return]
+
+
+def lost_failure(args: argparse.Namespace, scenario: Scenario) -> int:
+    """An example failed, but the budget ran out before the failure was shrunk and
+    before its replay failed again: no reproducer to print, still a failure (exit 1)."""
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(f"FAILED on {scenario}\n(an example failed, but --seconds {args.seconds:g} ran out "
+          "before the failure could be shrunk or replayed: run again with a longer "
+          "--seconds, or with --examples)", flush=True)
+    return 1
 
 
 def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
@@ -302,7 +383,7 @@ def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
     if args.trace:
         config = tally.last_config or scenario.model_config()
         trace.write(args.trace, config, engine_label(args.engine, args.version),
-                    tally.last_trace)
+                    tally.failure_trace())
         print(f"(trace of the shrunk example written to {args.trace}: "
               f"`hiradix replay {args.trace}`)", flush=True)
     return 1
@@ -381,10 +462,12 @@ def unreached(tally: Tally, covered: set[Scenario], engine: str = "controlled") 
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="hiradix", description="hiradix tools")
+    parser = OneLineParser(prog="hiradix", description="hiradix tools")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help=__doc__.splitlines()[0])
-    check.add_argument("--seconds", type=float, default=30.0, help="time budget (default 30)")
+    check.add_argument("--seconds", type=float, default=30.0,
+                       help="time budget (default 30): bounds the whole run, shrinking and "
+                            "the rank campaign included")
     check.add_argument("--examples", type=int, default=None, help="budget in examples instead")
     check.add_argument("--steps", type=int, default=40, help="steps per example")
     check.add_argument("--batch", type=int, default=4,
@@ -393,6 +476,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                        default=list(DEFAULT_PAGE_SIZES))
     check.add_argument("--policies", type=lambda v: v.split(","), default=list(WRITE_POLICIES))
     check.add_argument("--strategies", type=lambda v: v.split(","), default=list(STRATEGIES))
+    check.add_argument("--storage", type=lambda v: v.split(","), default=list(STORAGE_NAMES),
+                       help="the storage tiers of the matrix (ours only): none, memory, "
+                            "file (default: all three)")
     check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES), default="controlled",
                        help="controlled / cuda: ours through the full conformance machine "
                             "(copies finished in any order); the others: an engine through "
@@ -434,10 +520,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def replay(path: str) -> int:
     """Apply a trace to the model; point at the first step that breaks or disagrees
-    (exit 1). A file that cannot be read as a trace is ``FILE:LINE: reason``, exit 2."""
+    (exit 1). A file that cannot be read as a trace is ``FILE:LINE: reason``, exit 2:
+    one that is not a regular file (a FIFO, a device) at once, a line longer than
+    ``trace.MAX_LINE_CHARS`` when reached (spec/08)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            applied, finding = trace.replay(handle)
+        with trace.open_trace(path) as handle:
+            applied, finding = trace.replay(trace.bounded_lines(handle))
     except trace.TraceFormatError as broken:
         print(f"{path}:{broken.line}: {broken.reason}", file=sys.stderr)
         return 2
@@ -465,9 +553,45 @@ def engine_label(engine: str, version: str) -> str:
 
 
 def _positive(name: str, values: Sequence[float]) -> None:
-    bad = [v for v in values if v <= 0]
+    # not (v > 0): NaN compares false either way, and must be refused too.
+    bad = [v for v in values if not v > 0]
     if bad:
         raise UsageError(f"{name}: must be positive, got {bad[0]}")
+
+
+def _budget(name: str, value: float) -> None:
+    """A time budget: positive and finite (``inf`` or ``nan`` would never end the run)."""
+    _positive(name, [value])
+    if not math.isfinite(value):
+        raise UsageError(f"{name}: must be a finite number of seconds, got {value}")
+
+
+def _outputs(*checks: tuple[Callable[[str, str | None], None], str, str | None]) -> None:
+    """Every output path writable, before any work: a usage error otherwise."""
+    for check, argument, path in checks:
+        try:
+            check(argument, path)
+        except UnwritableOutput as unwritable:
+            raise UsageError(str(unwritable)) from None
+
+
+def _device(device: str) -> None:
+    """``--device``: cpu, or a CUDA device this machine has."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as bad:
+        reason = str(bad).splitlines()[0] if str(bad) else type(bad).__name__
+        raise UsageError(f"--device {device}: not a torch device ({reason})") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type != "cuda":
+        raise UsageError(f"--device {device}: must be cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: this machine has no CUDA device "
+                         "(torch.cuda.is_available() is False)")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {device}: this machine has "
+                         f"{torch.cuda.device_count()} CUDA devices")
 
 
 def _known(name: str, given: Sequence[str], known: Sequence[str]) -> None:
@@ -480,7 +604,13 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` for ``check``, with the engine's version and defaults filled in; a
     ``UsageError`` for anything that cannot run, before any example starts."""
     _positive("--page-sizes", args.page_sizes)
-    _positive("--seconds", [args.seconds])
+    too_large = [p for p in args.page_sizes if p > MAX_PAGE_SIZE]
+    if too_large:
+        raise UsageError(f"--page-sizes: at most {MAX_PAGE_SIZE} tokens per page, got "
+                         f"{too_large[0]}")
+    _budget("--seconds", args.seconds)
+    _outputs((check_directory, "--report", args.report), (check_file, "--record", args.record),
+             (check_file, "--reproducer", args.reproducer), (check_file, "--trace", args.trace))
     if args.report is not None:
         try:
             pyplot()
@@ -492,8 +622,12 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
         _positive("--examples", [args.examples])
     _known("--policies", args.policies, WRITE_POLICIES)
     _known("--strategies", args.strategies, STRATEGIES)
+    _known("--storage", args.storage, STORAGE_NAMES)
+    if args.engine not in COPY_ENGINES and "none" not in args.storage:
+        raise UsageError(f"--storage: the storage tier is checked on ours only (--engine "
+                         f"{', '.join(COPY_ENGINES)}); --engine {args.engine} runs without")
+    _device(args.device)
     if args.engine == "cuda":
-        import torch
         if not torch.cuda.is_available():
             raise UsageError("--engine cuda: this machine has no CUDA device "
                              "(torch.cuda.is_available() is False)")
@@ -510,7 +644,7 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
             args = replace_namespace(args, page_sizes=[1, 2, 4])
     args = replace_namespace(args, version=version)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
-                       args.device)
+                       args.device, args.storage)
     if not scenarios:
         raise UsageError(f"--engine {args.engine}: takes none of the configurations asked "
                          f"for ({scenario_space(args.engine)})")
@@ -538,10 +672,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     if given[:1] == ["show"]:  # its own parser: a trace path and --svg
         return show_main(given[1:])
-    args = parse(given)
+    try:
+        args = parse(given)
+    except BadCommandLine as usage:
+        print(usage, file=sys.stderr)
+        return 2
     if args.command == "replay":
         return replay(args.path)
     if args.command == "bench":
+        try:
+            _budget("--scale", args.scale)
+            _outputs((check_file, "--plot", args.plot))
+        except UsageError as usage:
+            print(f"hiradix bench: {usage}", file=sys.stderr)
+            return 2
         return bench_main(args)
     try:
         args = validated(args)

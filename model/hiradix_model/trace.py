@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import Any, cast
+from typing import Any, TextIO, cast
 
 from hiradix_model import ops
 from hiradix_model.config import Config
-from hiradix_model.errors import ModelError
+from hiradix_model.errors import ConfigError, ModelError
 from hiradix_model.invariants import violations
 from hiradix_model.keys import Key
 from hiradix_model.state import State, initial
+from hiradix_model.storage import StorageSettings
 
 FORMAT = "hiradix-trace/1"
+# The longest line a reader takes (spec/08 8.1), in characters: a step of a 32 k-token
+# key with its slots is under 1 MiB; the bound keeps a file without newlines (or a
+# device such as /dev/zero) from being read into memory whole.
+MAX_LINE_CHARS = 1 << 24
 Json = Any
 
 
@@ -43,6 +50,17 @@ def _key(value: Json) -> Key:
 
 def _slots(value: Json) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
+
+
+def _settings(value: Json) -> StorageSettings:
+    """The storage constants of an ``attach_storage`` line (spec/08: its fields by name);
+    a ValueError, not a model finding, for fields the model does not take."""
+    if not isinstance(value, dict):
+        raise ValueError(f"settings must be an object, got {value!r}")
+    try:
+        return StorageSettings(**value)
+    except (TypeError, ConfigError) as bad:
+        raise ValueError(f"settings: {bad}") from None
 
 
 def encode_victim(victim: ops.Victim) -> Json:
@@ -159,6 +177,30 @@ CALLS: dict[str, Callable[[State, dict[str, Json]], tuple[State, object]]] = {
         device_slots=_slots(a.get("device_slots"))),
     "reset": lambda s, a: ops.reset(s),
     "adopt": _adopt,
+    # The storage tier (spec/09): a run with storage records these too, so that its
+    # trace replays from the empty state (the tier is attached by the first of them).
+    "attach_storage": lambda s, a: ops.attach_storage(
+        s, a["backend"], identity=tuple(a.get("identity", ())),
+        settings=_settings(a["settings"]), retained=a.get("retained", True)),
+    "detach_storage": lambda s, a: ops.detach_storage(s),
+    "clear_storage": lambda s, a: ops.clear_storage(s),
+    "query_storage_hit_length": lambda s, a: ops.query_storage_hit_length(
+        s, _key(a["key"]), decode_key(a["anchor"]), a["hit_pages"]),
+    "prefetch_from_storage": lambda s, a: ops.prefetch_from_storage(
+        s, a["request"], _key(a["key"]), decode_key(a["anchor"]), a["now"],
+        host_victims=tuple(_key(k) for k in a.get("host_victims", [])),
+        host_slots=_slots(a.get("host_slots"))),
+    "io_prefetch_query": lambda s, a: ops.io_prefetch_query(s, a["request"], a["hit_pages"]),
+    "io_prefetch_fetch": lambda s, a: ops.io_prefetch_fetch(s, a["request"], a["landed"],
+                                                            fault=a.get("fault")),
+    "io_storage_write": lambda s, a: ops.io_storage_write(s, a["pages"], fault=a.get("fault")),
+    "check_prefetch_progress": lambda s, a: ops.check_prefetch_progress(s, a["request"],
+                                                                        a["now"]),
+    "terminate_prefetch": lambda s, a: ops.terminate_prefetch(s, a["request"]),
+    "release_aborted_request": lambda s, a: ops.release_aborted_request(s, a["request"]),
+    "pop_prefetch_loaded_tokens": lambda s, a: ops.pop_prefetch_loaded_tokens(s, a["request"]),
+    "drain_storage_queues": lambda s, a: ops.drain_storage_queues(
+        s, revokes=a.get("revokes"), acks=a.get("acks"), releases=a.get("releases")),
 }
 
 
@@ -168,7 +210,7 @@ def header(config: Config, engine: str) -> str:
 
 
 def write(path: str, config: Config, engine: str, steps: Iterable[Step]) -> None:
-    with open(path, "w") as handle:
+    with open(path, "w", encoding="utf-8") as handle:
         handle.write(header(config, engine) + "\n")
         for step in steps:
             handle.write(step.to_json() + "\n")
@@ -201,6 +243,40 @@ def _record(number: int, line: str) -> dict[str, Json]:
         raise TraceFormatError(number, f"a line must be a JSON object, got "
                                        f"{type(record).__name__}")
     return record
+
+
+def open_trace(path: str) -> TextIO:
+    """``path`` opened for reading as a trace: a regular file only (spec/08 8.2). A FIFO
+    would block the reader until a writer came, a device (/dev/zero) never ends: both
+    are a ``TraceFormatError`` at line 0. Opened without blocking, then checked on the
+    descriptor, so that nothing swapped in between a check and the open is read."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "not a plain file")
+            raise TraceFormatError(0, f"not a regular file ({kind})")
+        os.set_blocking(descriptor, True)
+        return open(descriptor, encoding="utf-8", closefd=True)
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def bounded_lines(handle: TextIO, limit: int = MAX_LINE_CHARS) -> Iterator[str]:
+    """The lines of ``handle``, each at most ``limit`` characters (spec/08 8.1); a
+    ``TraceFormatError`` at the first longer one, read no further than the bound."""
+    number = 0
+    while True:
+        line = handle.readline(limit + 1)
+        if not line:
+            return
+        number += 1
+        if len(line.rstrip("\n")) > limit:
+            raise TraceFormatError(number, f"line longer than {limit} characters")
+        yield line
 
 
 def read(lines: Iterable[str]) -> tuple[Config, str, Iterator[tuple[int, Step]]]:
@@ -265,7 +341,10 @@ def replay(lines: Iterable[str]) -> tuple[int, Finding | None]:
 
 
 def encode_value(value: object) -> Json:
-    """Arguments as JSON: keys, victims and backups as objects, tuples as lists."""
+    """Arguments as JSON: keys, victims, backups and storage settings as objects, tuples
+    as lists."""
+    if isinstance(value, StorageSettings):
+        return asdict(value)
     if isinstance(value, Key):
         return encode_key(value)
     if isinstance(value, ops.Victim):

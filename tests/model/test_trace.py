@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 
-from hiradix_model import Config, Key, choosers, initial, ops, trace
+from hiradix_model import Config, Key, StorageSettings, choosers, initial, ops, trace
 
 
 def recorded(seed: int = 0) -> list[str]:
@@ -80,3 +83,62 @@ def test_an_illegal_choice_is_rejected_at_its_line() -> None:
 def test_not_a_trace() -> None:
     with pytest.raises(ValueError, match="header"):
         trace.replay(['{"format": "something else"}'])
+
+
+def storage_run() -> list[str]:
+    """A run with a storage tier, as the storage machine records it: attached first."""
+    config = Config(page_size=2, device_slots=8, host_slots=8, load_back_threshold=0)
+    state, steps = initial(config), []
+
+    def apply(op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal state
+        arguments = trace.encode_call(op, *args, **kwargs)
+        state, observation = op(state, *args, **kwargs)
+        steps.append(trace.Step(op.__name__, arguments, trace.encode_observation(observation)))
+
+    apply(ops.attach_storage, "memory", identity=("m", "float16", "mha"),
+          settings=StorageSettings(prefetch_threshold=0, timeout_max=3000))
+    apply(ops.query_storage_hit_length, Key((1, 2, 3, 4), None), None, 0)
+    apply(ops.drain_storage_queues)
+    apply(ops.clear_storage)
+    apply(ops.detach_storage)
+    return [trace.header(config, "test")] + [s.to_json() for s in steps]
+
+
+def test_storage_steps_replay_and_are_needed() -> None:
+    lines = storage_run()
+    assert trace.replay(lines) == (len(lines) - 1, None)
+    assert json.loads(lines[1])["args"]["settings"]["timeout_max"] == 3000
+    # Without its attachment (as --record wrote storage runs) the clear finds no tier
+    # to clear: the engine's True disagrees with the model.
+    _, finding = trace.replay([lines[0], *lines[3:]])
+    assert finding is not None and (finding.line, finding.op) == (3, "clear_storage"), finding
+
+
+def test_storage_settings_the_model_does_not_take_are_a_broken_file() -> None:
+    lines = storage_run()
+    record = json.loads(lines[1])
+    record["args"]["settings"]["timeout_max"] = -1
+    with pytest.raises(trace.TraceFormatError, match="timeout_max") as broken:
+        trace.replay([lines[0], json.dumps(record)])
+    assert broken.value.line == 2
+
+
+def test_lines_are_read_no_further_than_their_bound() -> None:
+    lines = trace.bounded_lines(io.StringIO("short\n" + "x" * 11 + "\nnever read\n"), 10)
+    assert next(lines) == "short\n"
+    with pytest.raises(trace.TraceFormatError, match="longer than 10") as broken:
+        next(lines)
+    assert broken.value.line == 2
+
+
+def test_only_a_regular_file_is_opened(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opened without blocking: no writer needed for the refusal
+    for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory")):
+        with pytest.raises(trace.TraceFormatError, match=f"not a regular file \\({kind}\\)"):
+            trace.open_trace(str(path))
+    plain = tmp_path / "t.jsonl"
+    plain.write_text("x\n")
+    with trace.open_trace(str(plain)) as handle:
+        assert handle.read() == "x\n"

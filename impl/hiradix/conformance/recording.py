@@ -1,7 +1,7 @@
 """Steps on the model that leave a trace: shared by the conformance and differential
-machines. Each step applies one model operation, records it (spec/08) and counts it; an
-observation the engine disagrees on is recorded as the engine's, so that a replay of
-the trace stops at that line."""
+machines. Each step applies one model operation (the storage tier's too), records it
+(spec/08) and counts it; an observation the engine disagrees on is recorded as the
+engine's, so that a replay of the trace stops at that line."""
 
 from __future__ import annotations
 
@@ -22,12 +22,17 @@ class Recording:
 
     def step(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
              **kwargs: object) -> object:
+        self.counts.check_time()  # before the model moves: the trace stays a legal run
         arguments = trace.encode_call(op, *args, **kwargs)
         try:
             self.model, observation = op(self.model, *args, **kwargs)
         except ModelError:
-            self.trace.append(trace.Step(name, arguments))  # the step the model rejects
+            # Not in the trace yet: a machine that expects the refusal (a misuse the
+            # engine refuses too) catches it and goes on, and a trace holds only steps
+            # the model takes. The trace of a failure ends with it (``failure_trace``).
+            self.counts.last_rejected = trace.Step(name, arguments)
             raise
+        self.counts.last_rejected = None
         self.trace.append(trace.Step(name, arguments, trace.encode_observation(observation)))
         self.counts.ops[name] += 1
         self.counts.steps += 1

@@ -6,7 +6,6 @@ because replaying a trace reads it with the model's trace parser.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +14,12 @@ import torch
 from hiradix.cache import HiRadixCache
 from hiradix.clock import ManualClock
 from hiradix.config import CacheConfig
+from hiradix.conformance.outputs import (
+    BadCommandLine,
+    OneLineParser,
+    UnwritableOutput,
+    check_file,
+)
 from hiradix.device_pool import DeviceKVPool
 from hiradix.errors import HiradixError
 from hiradix.host_pool import HostKVPool
@@ -101,8 +106,8 @@ def replay_on_impl(path: str) -> tuple[HiRadixCache, list[str]]:
     own choices (slots, victims); return the cache and notes on what was skipped or
     refused. A picture of where the trace leads, not a check: ``hiradix replay`` checks."""
     notes: list[str] = []
-    with open(path, encoding="utf-8") as handle:
-        config, _, steps = trace.read(handle)
+    with trace.open_trace(path) as handle:
+        config, _, steps = trace.read(trace.bounded_lines(handle))
         if config.host_slots == 0:
             raise ValueError("a trace without a host tier (host_slots 0) is not drawn")
         cache = _build(config.page_size, config.device_slots, config.host_slots,
@@ -187,14 +192,22 @@ def _apply(cache: HiRadixCache, op: str, args: dict[str, object],
 def show_main(argv: Sequence[str] | None = None) -> int:
     """``hiradix show [TRACE] [--svg FILE] [--no-storage]``: draw the demo cache, or the
     cache a trace leads to, as text (stdout) or SVG (a file)."""
-    parser = argparse.ArgumentParser(prog="hiradix show",
+    parser = OneLineParser(prog="hiradix show",
                                      description="draw a cache's tree by tier")
     parser.add_argument("trace", nargs="?", help="a JSONL trace (spec/08) to replay on the "
                                                  "implementation; default: a demo cache")
     parser.add_argument("--svg", default=None, help="write an SVG picture here")
     parser.add_argument("--no-storage", action="store_true",
                         help="the demo without a storage tier")
-    args = parser.parse_args(argv)
+    try:  # before any work: not a traceback after the replay
+        args = parser.parse_args(argv)
+        check_file("--svg", args.svg)
+    except BadCommandLine as usage:
+        print(usage, file=sys.stderr)
+        return 2
+    except UnwritableOutput as unwritable:
+        print(f"hiradix show: {unwritable}", file=sys.stderr)
+        return 2
     tier: StorageTier | None = None
     if args.trace is None:
         cache, tier = demo(storage=not args.no_storage)

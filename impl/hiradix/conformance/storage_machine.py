@@ -156,6 +156,7 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             self.counts.swarm[f"first policy: {settings.prefetch_policy}"] += 1
             self.counts.swarm[f"I/O: {'threaded' if self.threaded else 'synchronous'}"] += 1
             self.tier.detach()
+            self.trace.clear()  # the first attachment's step: the trace restarts here
             self.reshape(dataclasses.replace(self.scenario, host_pages=host_pages))
             self.tier = StorageTier(self.cache)
             self.outstanding, self.watermark = {}, self.tier.state.next_id
@@ -181,13 +182,9 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
 
         def sstep(self, name: str, op: Callable[..., tuple[State, object]], *args: object,
                   **kwargs: object) -> object:
-            """A model step without the trace encoding (the storage ops' arguments)."""
-            state: State = self.model  # type: ignore[has-type]
-            state, observation = op(state, *args, **kwargs)
-            self.model = state
-            self.counts.ops[name] += 1
-            self.counts.steps += 1
-            return observation
+            """A model step of the storage tier, recorded in the trace like every other
+            (spec/08): a trace of a run with storage replays from the empty state."""
+            return self.step(name, op, *args, **kwargs)
 
         def learn(self, rkey: RadixKey) -> None:
             """Remember the page of every hash of ``rkey`` (the abstraction's map)."""
