@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hiradix import FileBackend, HiRadixCache, KVShape, RadixKey, TierSettings
+from hiradix import FileBackend, HiRadixCache, KVShape, RadixKey, StorageTier, TierSettings
 
 PAGE = 4
 KV = KVShape(layers=2, heads=2, head_dim=8, dtype=torch.float32)
@@ -93,8 +93,7 @@ def main(device: str = "cpu") -> dict[str, int]:
         key = RadixKey(prompt)
         figures["storage_hit"] = tier.query_storage_hit_length(key)
         tier.prefetch_from_storage("request-1", key)
-        while not tier.check_prefetch_progress("request-1"):
-            time.sleep(0.001)  # a scheduler would run other requests meanwhile
+        await_prefetch(tier, "request-1")
         figures["prefetched"] = tier.pop_prefetch_loaded_tokens("request-1")
         cache.check_invariants()  # counts the host slots the tier holds (spec/09 9.2)
         figures["after_restart"] = serve(cache, [*prompt, 7])
@@ -104,6 +103,20 @@ def main(device: str = "cpu") -> dict[str, int]:
         tier.drain_storage_queues()
         cache.detach_storage_backend()
     return figures
+
+
+def await_prefetch(tier: StorageTier, request: str, patience_s: float = 5.0) -> None:
+    """Poll ``request``'s prefetch until the request need not wait, on every outcome
+    (spec/09, 9.6): a revoked prefetch (too few hits) ends only when the drain takes it
+    from the revoke queue, so the loop drains; under ``wait_complete`` a fetch that
+    failed part way never completes, so past ``patience_s`` the loop terminates it and
+    the next poll ends it with what landed."""
+    deadline = time.monotonic() + patience_s
+    while not tier.check_prefetch_progress(request):
+        tier.drain_storage_queues()  # a scheduler drains once per loop (SGLang does)
+        if time.monotonic() > deadline:
+            tier.terminate_prefetch(request)  # any policy may end it now
+        time.sleep(0.001)  # a scheduler would run other requests meanwhile
 
 
 def drain_writes(cache: HiRadixCache, timeout_s: float = 10.0) -> None:

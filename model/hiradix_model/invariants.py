@@ -345,6 +345,21 @@ def storage_write_protect(state: State) -> Iterator[str]:
                 yield f"write {write.id}: {key}'s host slots are free or owned by storage"
 
 
+@invariant("INV-STORAGE-WRITE-SOURCE")
+def storage_write_source(state: State) -> Iterator[str]:
+    if state.storage is None:
+        return
+    arriving = in_flight(state, "d2h")
+    for write in state.storage.writes:
+        if write.phase == "acked":
+            continue
+        for key in write.pages[write.done:]:
+            page = state.pages.get(key)
+            if page is not None and page.host is not None and set(page.host) & arriving:
+                yield (f"write {write.id}: {key} is to be written from a host copy whose "
+                       "d2h copy is still in flight")
+
+
 @invariant("INV-STORAGE-INTEGRITY")
 def storage_integrity(state: State) -> Iterator[str]:
     if state.storage is None:

@@ -22,6 +22,7 @@ from hiradix_model.config import Config
 from hiradix_model.errors import ConfigError, ModelError
 from hiradix_model.invariants import violations
 from hiradix_model.keys import Key
+from hiradix_model.ops import storage as storage_ops
 from hiradix_model.state import State, initial
 from hiradix_model.storage import StorageSettings
 
@@ -199,6 +200,8 @@ CALLS: dict[str, Callable[[State, dict[str, Json]], tuple[State, object]]] = {
     "terminate_prefetch": lambda s, a: ops.terminate_prefetch(s, a["request"]),
     "release_aborted_request": lambda s, a: ops.release_aborted_request(s, a["request"]),
     "pop_prefetch_loaded_tokens": lambda s, a: ops.pop_prefetch_loaded_tokens(s, a["request"]),
+    "backup_pages": lambda s, a: storage_ops.backup_pages(s, _key(a["key"]), a["start"],
+                                                          a["end"]),
     "drain_storage_queues": lambda s, a: ops.drain_storage_queues(
         s, revokes=a.get("revokes"), acks=a.get("acks"), releases=a.get("releases")),
 }

@@ -24,6 +24,7 @@ MODULES = [
     "hiradix_model.ops.storage.prefetch",
     "hiradix_model.ops.storage.io",
     "hiradix_model.ops.storage.progress",
+    "hiradix_model.ops.storage.backup",
 ]
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from hiradix_model import Event, Key, Page, State, initial
+from hiradix_model import Event, Key, Page, State, initial, ops
 from hiradix_model.events import step_events
+from hiradix_model.storage import StorageWrite
 
-from scenario import BACKING_UP, HOST_ONLY, LOADED, build_storage
+from scenario import BACKING_UP, HOST_ONLY, IDENTITY, LOADED, STORAGE, build_storage
 
 PARENT = Key((1, 2))
 
@@ -151,6 +152,17 @@ def write_unprotected(s: State) -> State:
     return _page(state, BACKING_UP, host_protect=state.pages[BACKING_UP].host_protect - 2)
 
 
+def write_from_copy_in_flight(s: State) -> State:
+    # The zero-page bug of issue 34: a storage write scheduled for BACKING_UP while its
+    # d2h copy is still in flight (its host slots hold nothing yet).
+    state, _ = ops.attach_storage(s, "memory", identity=IDENTITY, settings=STORAGE)
+    assert state.storage is not None
+    write = StorageWrite(state.storage.next_id, (BACKING_UP,))
+    storage = replace(state.storage, writes=(write,), next_id=write.id + 1)
+    state = _page(state, BACKING_UP, host_protect=state.pages[BACKING_UP].host_protect + 1)
+    return replace(state, storage=storage)
+
+
 def stored_wrong_bytes(s: State) -> State:
     state = build_storage(s)
     assert state.storage is not None
@@ -216,6 +228,7 @@ MUTANTS: dict[str, Callable[[State], State]] = {
     "INV-PREFETCH-SLOT-OWNERSHIP": prefetch_owns_half_a_page,
     "INV-RELEASE-ONCE": released_twice,
     "INV-STORAGE-WRITE-PROTECT": write_unprotected,
+    "INV-STORAGE-WRITE-SOURCE": write_from_copy_in_flight,
     "INV-STORAGE-INTEGRITY": stored_wrong_bytes,
     "INV-PREFETCH-CONTIGUOUS": prefetch_off_its_anchor,
     "INV-PREFETCH-INTEGRITY": landed_corrupt,

@@ -32,6 +32,7 @@ from hiradix_model import (
     violations,
 )
 from hiradix_model.keys import page_keys
+from hiradix_model.ops.storage import backup_pages
 from hiradix_model.storage import Prefetch, timed_out
 
 CONFIG = Config(page_size=2, device_slots=8, host_slots=12, write_policy="write_through",
@@ -801,3 +802,27 @@ def test_base_operations_leave_a_state_without_storage_without_storage() -> None
     s, _ = ok(s, ops.writing_check, 1)
     s, _ = ok(s, ops.evict, 6, choosers.choose_evict(s, 6, random.Random(0)))
     assert s.storage is None
+
+
+# -- backup_pages: only acknowledged host copies are written (INV-STORAGE-WRITE-SOURCE) -----
+
+
+def test_backup_pages_refuses_a_host_copy_in_flight_and_writes_it_once_landed() -> None:
+    s = initial(CONFIG)
+    slots = tuple(sorted(s.device_free)[:len(K.tokens)])
+    s, _ = ops.alloc(s, K, 0, slots)
+    s, _ = ops.insert(s, K, slots, 1, backup=Backup((), (0, 1, 2, 3, 4, 5)))
+    rejected(PreconditionError, s, backup_pages, K, 0, 3, argument="backend")
+    s, _ = ok(s, ops.attach_storage, "memory", identity=IDENTITY, settings=SETTINGS)
+    for start, end in ((0, 3), (2, 3), (1, 2)):  # the copy is in flight: refused
+        rejected(PreconditionError, s, backup_pages, K, start, end, argument="run")
+    for start, end in ((0, 0), (2, 4), (True, 2), (-1, 1)):
+        rejected(PreconditionError, s, backup_pages, K, start, end, argument="run")
+    landed, _ = ok(s, ops.writing_check, 1)  # S-R1 issues the write of all three pages
+    assert [w.pages for w in landed.storage.writes] == [PAGES]  # type: ignore[union-attr]
+    again, issued = ok(landed, backup_pages, K, 1, 3)  # not stored yet: written again
+    assert issued and again.storage.writes[-1].pages == PAGES[1:]  # type: ignore[union-attr]
+    assert again.pages[PAGES[1]].host_protect == 2
+    stored, _ = ok(landed, ops.io_storage_write, 3)
+    same, issued = ok(stored, backup_pages, K, 0, 3)
+    assert not issued and same == stored  # all stored: nothing to write

@@ -59,10 +59,11 @@ from hiradix.storage.controlled import InjectedInterrupt, Operation
 from hiradix.storage.file import FileBackend
 from hiradix.storage.hashing import page_hashes
 from hiradix.storage.io import KINDS, BackupResult, Kind, PrefetchResult
-from hiradix.storage.tier import StorageTier, TierSettings
+from hiradix.storage.tier import PageRun, StorageTier, TierSettings
 from hiradix.transfer import ControlledCopyEngine
 from hiradix.tree import TreeNode
-from hiradix_model import Key, State, ops, violations
+from hiradix_model import Key, PreconditionError, State, ops, violations
+from hiradix_model.ops import storage as storage_ops
 
 REQUESTS = ("r0", "r1", "r2")
 FAULTS: dict[str, tuple[str, ...]] = {
@@ -125,6 +126,8 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
     injected = faults if faults is not None else Counter()
 
     class StorageConformance(Base):  # type: ignore[misc, valid-type]
+        SINK_RAISES = False  # tests/impl/test_events.py raises on the tier's events
+
         def __init__(self) -> None:
             super().__init__()
             self.tier = StorageTier(self.cache)
@@ -351,7 +354,6 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             for tokens, namespace in self.seen:
                 self.learn(RadixKey(tokens, namespace))
 
-        @precondition(lambda self: self.tier.attached)
         @rule(go=st.integers(0, 7))
         def detach(self, go: int) -> None:
             if go:
@@ -360,7 +362,6 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             self.tier.detach()
             self.sstep("detach_storage", ops.detach_storage)
 
-        @precondition(lambda self: self.tier.attached)
         @rule(go=st.integers(0, 15))
         def clear(self, go: int) -> None:
             if go == 0:
@@ -401,7 +402,7 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             self.backend.inject(operation, Fault(kind, at_page))  # type: ignore[arg-type]
             injected[f"{operation}:{kind}"] += 1
 
-        @precondition(lambda self: self.tier.attached and bool(self.seen))
+        @precondition(lambda self: bool(self.seen))
         @rule(index=st.integers(0, 63))
         def query(self, index: int) -> None:
             rkey = self.pick(index)
@@ -416,7 +417,7 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                              tokens // self.cache.page_size)
             assert tokens == got
 
-        @precondition(lambda self: self.tier.attached and bool(self.seen))
+        @precondition(lambda self: bool(self.seen))
         @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63),
               use_anchor=st.booleans(), dt=st.integers(0, 2))
         def prefetch(self, request: str, index: int, use_anchor: bool, dt: int) -> None:
@@ -424,6 +425,15 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             assert rkey is not None
             key = Key(rkey.tokens, rkey.namespace)
             self.learn(rkey)
+            if not self.tier.attached:  # refused, nothing changed (the check after sees)
+                try:
+                    self.tier.prefetch_from_storage(request, rkey)
+                except StorageArgumentError as error:
+                    assert error.argument == "backend", error
+                else:
+                    raise AssertionError("a prefetch was accepted with no backend attached")
+                self.counts.ops["prefetch refused: detached"] += 1
+                return
             if request in self.tier.state.prefetches:
                 before = abstract(self.cache, self.model)
                 try:
@@ -453,7 +463,6 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 host_slots=slots)
             assert tokens == got_tokens, (tokens, got_tokens)
 
-        @precondition(lambda self: self.tier.attached)
         @rule()
         def store(self) -> None:
             """Time passes: host copies land and are acknowledged, the I/O runs."""
@@ -464,6 +473,51 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 self.writing_check()
             if self.io_pending():
                 self.run_io()
+
+        @precondition(lambda self: bool(self.seen) or bool(self.cache.pending["d2h"]))
+        @rule(index=st.integers(0, 63), start=st.integers(0, 7), length=st.integers(-1, 7),
+              in_flight=st.booleans())
+        def backup(self, index: int, start: int, length: int, in_flight: bool) -> None:
+            """``backup_pages`` in every state, attached or not, over any seen key's pages
+            (valid runs or not) and, ``in_flight``, over the pages of a d2h copy still in
+            flight: impl and model accept the same runs (a typed error naming the same
+            argument otherwise, nothing changed), so a backup that stores a host copy
+            before it landed (INV-STORAGE-WRITE-SOURCE) is a disagreement here."""
+            size = self.cache.page_size
+            copies = self.cache.pending["d2h"]
+            if in_flight and copies:
+                copy = copies[index % len(copies)]
+                prefix = copy.lock_node.prefix()
+                rkey = RadixKey(prefix, copy.lock_node.namespace)
+                end = len(prefix) // size
+                first = end - copy.tokens // size
+                start, stop = first + start % (end - first), end
+            else:
+                picked = self.pick(index)
+                if picked is None:
+                    return
+                rkey, stop = picked, start + length
+            self.learn(rkey)
+            try:
+                issued = self.tier.backup_pages(PageRun(rkey, start, stop))
+            except StorageArgumentError as error:
+                refused: str | None = error.argument
+            else:
+                refused = None
+            try:
+                want = self.sstep("backup_pages", storage_ops.backup_pages,
+                                  Key(rkey.tokens, rkey.namespace), start, stop)
+            except PreconditionError as error:
+                assert refused == error.argument, (
+                    f"backup_pages({start}, {stop}) of {rkey}: the model refuses it "
+                    f"({error}), the implementation "
+                    + ("issued a write" if refused is None else f"refused {refused!r}"))
+                self.counts.ops[f"backup refused: {error.argument}"] += 1
+                return
+            assert refused is None, f"the implementation refused {refused!r}; the model " \
+                                    "accepts"
+            assert issued == want, (issued, want)
+            self.counts.ops["backup issued" if want else "backup: all stored"] += 1
 
         @precondition(lambda self: self.tier.attached and bool(self.seen))
         @rule(request=st.sampled_from(REQUESTS), index=st.integers(0, 63),
@@ -519,7 +573,7 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             self.detach(0)
             self.attach(settings)
 
-        @precondition(lambda self: self.tier.attached and bool(self.seen))
+        @precondition(lambda self: bool(self.seen))
         @rule(index=st.integers(0, 63), kind=st.sampled_from(ANCHOR_MISUSE),
               pick=st.integers(0, 63), request=st.sampled_from(REQUESTS))
         def bad_anchor(self, index: int, kind: str, pick: int, request: str) -> None:
@@ -621,7 +675,6 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                 injected[f"write reported:{fault or 'none'}"] += 1
             self.tier.accept(prefetched, backed_up)
 
-        @precondition(lambda self: self.tier.attached and bool(self.tier.state.prefetches))
         @rule(request=st.sampled_from(REQUESTS), dt=st.integers(0, 4))
         def progress(self, request: str, dt: int) -> None:
             now = self.clock.advance(dt)
@@ -657,20 +710,16 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
             due = limit // 1024 + 1  # timed_out: 1024 * elapsed > limit
             self.progress(request, max(0, due - (self.clock.now() - live.start) - early))
 
-        @precondition(lambda self: self.tier.attached and bool(self.tier.state.prefetches))
         @rule(request=st.sampled_from(REQUESTS))
         def terminate(self, request: str) -> None:
             self.tier.terminate_prefetch(request)
             self.sstep("terminate_prefetch", ops.terminate_prefetch, request)
 
-        @precondition(lambda self: bool(self.tier.state.prefetches)
-                      or bool(self.tier.state.loaded_tokens))
         @rule(request=st.sampled_from(REQUESTS))
         def abort(self, request: str) -> None:
             self.tier.release_aborted_request(request)
             self.sstep("release_aborted_request", ops.release_aborted_request, request)
 
-        @precondition(lambda self: bool(self.tier.state.loaded_tokens))
         @rule(request=st.sampled_from(REQUESTS))
         def pop_loaded(self, request: str) -> None:
             got = self.tier.pop_prefetch_loaded_tokens(request)
@@ -678,9 +727,6 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
                               request)
             assert got == want, (got, want)
 
-        @precondition(lambda self: self.tier.attached and bool(
-            self.tier.state.release_queue or self.tier.state.revoke_queue
-            or any(w.phase == "acked" for w in self.tier.state.writes.values())))
         @rule()
         def drain(self) -> None:
             if self.tier.state.io_held:
@@ -747,7 +793,7 @@ def make_storage_machine(scenario: Scenario, tally: Tally | None = None,
 
     gate(StorageConformance, STORAGE_SWARM_RULES, Base.tally.rules)
     # Not swarmed: appending it to the swarm's rules would change every seed's draws.
-    gate(StorageConformance, ("expire",), Base.tally.rules, swarmed=False)
+    gate(StorageConformance, ("expire", "backup"), Base.tally.rules, swarmed=False)
     StorageConformance.__name__ = f"StorageConformance_{scenario.slug()}"
     return StorageConformance
 

@@ -18,6 +18,7 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -201,13 +202,19 @@ def make_backend(config: StorageConfig) -> StorageBackend:
 
 def prefetch_timeout(config: StorageConfig, num_tokens: int) -> float:
     """Seconds a ``timeout``-policy prefetch of ``num_tokens`` tokens may run: linear in
-    the tokens, capped at ``timeout_max_s``."""
+    the tokens, capped at ``timeout_max_s``. Any int count has an answer: one at or past
+    the cap (however large, past what a float holds) is the cap."""
     if not isinstance(config, StorageConfig):
         raise StorageArgumentError("config", f"must be a StorageConfig, got "
                                              f"{type(config).__name__}")
     if not is_int(num_tokens) or num_tokens < 0:
         raise StorageArgumentError("num_tokens", f"must be an int >= 0, got {num_tokens!r}")
-    linear = config.timeout_base_s + config.timeout_per_1k_tokens_s * num_tokens / 1024
+    try:
+        linear = config.timeout_base_s + config.timeout_per_1k_tokens_s * num_tokens / 1024
+    except OverflowError:  # a count past what a float holds: in exact fractions instead
+        exact = (Fraction(config.timeout_base_s)
+                 + Fraction(config.timeout_per_1k_tokens_s) * num_tokens / 1024)
+        return float(min(Fraction(config.timeout_max_s), exact))
     return min(config.timeout_max_s, linear)
 
 

@@ -13,7 +13,11 @@ wrong name, is a miss counted as corrupt, never data (INV-STORAGE-INTEGRITY). Ve
 files (whose checksum did not cover the hash) read as corrupt: a miss, then rewritten.
 
 Every primitive validates its page hash (64 lowercase hex characters) before it builds
-a path, so no argument can name a file outside ``root`` (``StorageArgumentError``).
+a path, so no argument can name a file outside ``root`` (``StorageArgumentError``). Nor
+can the directory: a link under ``root`` in a page's place, its fan-out directory or its
+file, is never followed (a ``StorageError`` of the operation; ``clear`` removes such a
+link, not what it points to), so no page is read from or written to outside ``root``.
+(``root`` itself may be a link: it is the directory the caller named.)
 
 Writes are atomic: the file is written under a temporary name in the page's own
 directory, fsynced, then renamed over the final name with ``os.replace`` (and the
@@ -61,9 +65,12 @@ class FileBackend(StorageBackend):
     def __init__(self, root: str | os.PathLike[str], *, name: str = "file") -> None:
         if not isinstance(root, str | os.PathLike):
             raise StorageArgumentError("root", f"must be a path, got {type(root).__name__}")
-        if os.fspath(root) == "":
+        text = os.fsdecode(root)
+        if text == "":
             raise StorageArgumentError("root", "must be a non-empty path")
-        path = Path(root)
+        if "\0" in text:  # the OS would refuse it later, as a ValueError
+            raise StorageArgumentError("root", "contains a NUL character")
+        path = Path(text)
         if path.exists() and not path.is_dir():
             raise StorageArgumentError("root", f"{path} exists and is not a directory")
         super().__init__(name)
@@ -78,6 +85,21 @@ class FileBackend(StorageBackend):
         first, so the path is always a file two levels under ``root``."""
         check_page_hash(page_hash, "page_hash")
         return self.root / page_hash[:2] / f"{page_hash}{SUFFIX}"
+
+    def _inside(self, page_hash: str, operation: str) -> Path:
+        """``path_of(page_hash)``, refused (``StorageError``) if its fan-out directory is
+        a link: what is under ``root`` may not lead out of it."""
+        path = self.path_of(page_hash)
+        if path.parent.is_symlink():
+            raise StorageError(self.name, operation, f"page {page_hash[:12]}: "
+                                                     f"{path.parent} is a link; refused "
+                                                     "(pages stay under the storage root)")
+        return path
+
+    def _open(self, page_hash: str, operation: str) -> int:
+        """A read-only descriptor of the page's file, not following a link (ELOOP, an
+        ``OSError``, if the file is one)."""
+        return os.open(self._inside(page_hash, operation), os.O_RDONLY | os.O_NOFOLLOW)
 
     def _error(self, operation: str, page_hash: str, error: OSError) -> StorageError:
         return StorageError(self.name, operation, f"page {page_hash[:12]}: {error}")
@@ -97,7 +119,7 @@ class FileBackend(StorageBackend):
         """Whether a file with a valid header for ``page_hash`` is there (the payload is
         checked by ``read_page``)."""
         try:
-            with open(self.path_of(page_hash), "rb") as handle:
+            with os.fdopen(self._open(page_hash, "exists"), "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
                 return self._header_ok(page_hash, handle.read(HEADER.size), size)
         except FileNotFoundError:
@@ -107,7 +129,8 @@ class FileBackend(StorageBackend):
 
     def read_page(self, page_hash: str) -> PageRead:
         try:
-            data = self.path_of(page_hash).read_bytes()
+            with os.fdopen(self._open(page_hash, "get"), "rb") as handle:
+                data = handle.read()
         except FileNotFoundError:
             return MISS
         except OSError as error:
@@ -119,7 +142,7 @@ class FileBackend(StorageBackend):
 
     def write_page(self, page_hash: str, payload: bytes, page_checksum: bytes) -> None:
         check_entry(page_hash, payload, page_checksum)
-        final = self.path_of(page_hash)
+        final = self._inside(page_hash, "set")
         header = HEADER.pack(MAGIC, VERSION, len(payload), bytes.fromhex(page_hash),
                              page_checksum)
         try:
@@ -155,16 +178,21 @@ class FileBackend(StorageBackend):
 
     def discard_page(self, page_hash: str) -> None:
         try:
-            self.path_of(page_hash).unlink(missing_ok=True)
+            self._inside(page_hash, "discard").unlink(missing_ok=True)
         except OSError as error:
             raise self._error("discard", page_hash, error) from error
 
     def clear(self) -> None:
         """Remove every page and temporary file: the fan-out subdirectories only, so
-        anything else a user keeps under ``root`` is left alone."""
+        anything else a user keeps under ``root`` is left alone. A link in a fan-out
+        directory's place is removed itself; what it points to is never touched."""
         try:
             for entry in self.root.iterdir():
-                if entry.is_dir() and _fan_out(entry.name):
+                if not _fan_out(entry.name):
+                    continue
+                if entry.is_symlink():
+                    entry.unlink()
+                elif entry.is_dir():
                     shutil.rmtree(entry)
         except OSError as error:
             raise StorageError(self.name, "clear", str(error)) from error

@@ -32,6 +32,14 @@ canonical ``[layers, page_size, ...]`` order in either host layout, and bytes ma
 the slots only after the integrity check passed; so the store writes into a registered
 staging buffer and the verified page is copied into its slots.
 
+A master that is not there: before ``setup`` (whose own retries take about 90 s and
+print over a hundred log lines when no master answers), the client opens a TCP
+connection to the master's ``host:port`` and, for an ``http(s)://`` metadata server, to
+its host and port, each bounded by ``connect_timeout_s`` (2 s by default); either refused
+or timed out is one ``StorageError`` (operation ``connect``) naming the address, and
+``setup`` is never called (spec/09m). Other metadata kinds (``P2PHANDSHAKE``, etcd) are
+passed on unprobed.
+
 Faults: any error code other than "object not found" is a ``StorageError`` of the page it
 hit, with the leading count done before it. A master that is gone answers every call with
 an error (never a hit); a restarted master knows no object, so every page is a miss until
@@ -41,12 +49,15 @@ it is written again: the master keeps its metadata in memory only (spec/09m, 9m.
 from __future__ import annotations
 
 import importlib
+import math
 import re
+import socket
 import struct
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -103,6 +114,28 @@ def master_binary() -> Path:
     return path
 
 
+def _address(argument: str, text: str) -> tuple[str, int]:
+    """``host:port`` (``master``) or the host and port of an HTTP URL (``metadata``)."""
+    netloc = urlsplit(text).netloc if "://" in text else text
+    host, _, port = netloc.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StorageArgumentError(argument, f"must name a host and a port, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def probe(argument: str, text: str, timeout_s: float) -> None:
+    """Open and close a TCP connection to ``text``'s host and port within ``timeout_s``
+    seconds; ``StorageError`` (operation ``connect``), one line, if none is accepted."""
+    host, port = _address(argument, text)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise StorageError("mooncake", "connect", f"no {argument} at {text} "
+                                                  f"({host}:{port}: {error}; waited at most "
+                                                  f"{timeout_s} s)") from None
+
+
 def _registered(store: Any, nbytes: int) -> np.ndarray:
     """A zeroed buffer of ``nbytes`` registered with ``store``'s transfer engine."""
     buffer = np.zeros(max(nbytes, 1), dtype=np.uint8)
@@ -143,11 +176,13 @@ class MooncakeClient(_Closing):
     (``host:port``) and whose metadata server is ``metadata``
     (``http://host:port/metadata``). It lends ``segment_bytes`` of this process's memory
     to the store: objects any client puts may be held there, so they go when it closes.
-    Several backends may share one client."""
+    Several backends may share one client. A master or metadata server that accepts no
+    connection within ``connect_timeout_s`` seconds is a ``StorageError`` at once (see
+    the module docstring)."""
 
     def __init__(self, master: str, metadata: str, *, local_hostname: str = "127.0.0.1",
                  protocol: str = "tcp", segment_bytes: int = 64 << 20,
-                 buffer_bytes: int = 16 << 20) -> None:
+                 buffer_bytes: int = 16 << 20, connect_timeout_s: float = 2.0) -> None:
         for argument, value in (("master", master), ("metadata", metadata),
                                 ("local_hostname", local_hostname), ("protocol", protocol)):
             if not isinstance(value, str) or not value:
@@ -156,7 +191,15 @@ class MooncakeClient(_Closing):
                                ("buffer_bytes", buffer_bytes)):
             if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
                 raise StorageArgumentError(argument, f"must be an int > 0, got {size!r}")
-        self.store = load_client().MooncakeDistributedStore()
+        if (not isinstance(connect_timeout_s, int | float) or isinstance(connect_timeout_s, bool)
+                or not math.isfinite(connect_timeout_s) or connect_timeout_s <= 0):
+            raise StorageArgumentError("connect_timeout_s", f"must be a finite number > 0, "
+                                                            f"got {connect_timeout_s!r}")
+        module = load_client()
+        probe("master", master, connect_timeout_s)
+        if metadata.startswith(("http://", "https://")):
+            probe("metadata", metadata, connect_timeout_s)
+        self.store = module.MooncakeDistributedStore()
         code = self.store.setup(local_hostname, metadata, segment_bytes, buffer_bytes,
                                 protocol, "", master)
         if code != 0:

@@ -47,6 +47,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Concatenate, Literal, ParamSpec, TypeVar
 
 import torch
@@ -111,11 +112,17 @@ class TierSettings:
         if not is_int(ticks_per_second) or ticks_per_second < 1:
             raise StorageArgumentError("ticks_per_second", f"must be an int >= 1, got "
                                                            f"{ticks_per_second!r}")
+        def ticks(seconds: float) -> int:
+            # A finite number of seconds is a finite (perhaps huge) tick count: exact
+            # where the float product overflows to inf (timeout_max_s=1e308).
+            product = seconds * ticks_per_second
+            return (round(product) if math.isfinite(product)
+                    else round(Fraction(seconds) * ticks_per_second))
         return cls(prefetch_threshold=config.prefetch_threshold_tokens,
                    prefetch_policy=config.prefetch_policy,
-                   timeout_base=round(config.timeout_base_s * ticks_per_second),
-                   timeout_per_ki_token=round(config.timeout_per_1k_tokens_s * ticks_per_second),
-                   timeout_max=round(config.timeout_max_s * ticks_per_second),
+                   timeout_base=ticks(config.timeout_base_s),
+                   timeout_per_ki_token=ticks(config.timeout_per_1k_tokens_s),
+                   timeout_max=ticks(config.timeout_max_s),
                    prefetch_token_limit=config.max_prefetch_tokens_in_flight)
 
     def timed_out(self, elapsed: int, tokens: int) -> bool:
@@ -781,8 +788,16 @@ class StorageTier:
 
     @_serialised
     def backup_pages(self, run: PageRun) -> bool:
-        """S-R1 for ``run`` (pages with a complete host copy): write the ones the backend
-        lacks, each host-protected until the write's ack is drained. False: none lacked."""
+        """S-R1 for ``run``: write the pages the backend lacks, each host-protected until
+        the write's ack is drained. False: none lacked.
+
+        Every page of ``run`` must be cached with an *acknowledged* host copy
+        (INV-STORAGE-WRITE-SOURCE): a page whose device-to-host copy is still in flight
+        has host slots that do not hold its bytes yet, and a write from them would store
+        them under the page's name with a valid checksum. Such a run is refused
+        (``StorageArgumentError`` on ``run``, nothing changed) rather than waited for:
+        waiting would block the scheduler on the copy engine, and the run is backed up
+        anyway when ``writing_check`` acknowledges its copy (S-R1)."""
         attachment = self._require()
         self._require_backed_up_run(run)
         hashes = self._hashes(run.key, attachment.identity)
@@ -826,14 +841,32 @@ class StorageTier:
             raise StorageArgumentError("run", f"pages [{run.start}, {run.end}) are not a "
                                               f"non-empty run of the key's {pages} pages")
         size, position = self.page_size, 0
+        arriving = self._host_copies_in_flight()
         for node, matched in self.cache._walk(run.key, run.end * size):
             low, position = position, position + matched
-            if position > run.start * size and node.host is None:
+            if position <= run.start * size:
+                continue
+            if node.host is None:
                 raise StorageArgumentError("run", f"tokens [{low}, {position}) have no "
                                                   "host copy to back up")
+            if node in arriving:
+                raise StorageArgumentError("run", f"tokens [{low}, {position}) have a host "
+                                                  "copy still in flight (d2h), not yet "
+                                                  "acknowledged: writing_check backs it "
+                                                  "up once it lands")
         if position < run.end * size:
             raise StorageArgumentError("run", f"only {position} tokens of the key are cached; "
                                               f"the run ends at {run.end * size}")
+
+    def _host_copies_in_flight(self) -> set[TreeNode]:
+        """The nodes whose host copy is the target of a d2h copy not yet acknowledged
+        (their host slots do not hold their bytes yet; INV-STORAGE-WRITE-SOURCE)."""
+        arriving: set[TreeNode] = set()
+        for copy in self.cache.pending["d2h"]:
+            nodes = copy.nodes()
+            assert nodes is not None, f"copy {copy.ticket} lost its nodes"
+            arriving.update(nodes)
+        return arriving
 
     def _emit(self, kind: EventKind, run: PageRun) -> None:
         """The storage event of ``run``'s one page (spec/11)."""

@@ -2,6 +2,7 @@
 reports of the storage I/O."""
 
 from hiradix_model.ops.storage.attach import attach_storage, clear_storage, detach_storage
+from hiradix_model.ops.storage.backup import backup_pages
 from hiradix_model.ops.storage.io import (
     FETCH_FAULTS,
     WRITE_FAULTS,
@@ -26,6 +27,7 @@ __all__ = [
     "FetchFault",
     "WriteFault",
     "attach_storage",
+    "backup_pages",
     "check_prefetch_progress",
     "clear_storage",
     "detach_storage",
