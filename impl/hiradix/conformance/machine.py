@@ -41,7 +41,8 @@ from hiradix.conformance.recording import Recording
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.tally import Tally
 from hiradix.decisions import DeviceVictim, PageRef, Recorder
-from hiradix.errors import ForeignNode, InvalidArgument, NotLocked
+from hiradix.errors import EventSinkError, ForeignNode, InvalidArgument, NotLocked
+from hiradix.events import EventLog, KVEvent
 from hiradix.keys import RadixKey
 from hiradix.transfer import ControlledCopyEngine
 from hiradix.tree import TreeNode
@@ -59,6 +60,7 @@ from hiradix_model import (
     trace,
     violations,
 )
+from hiradix_model.events import device_resident, host_resident, storage_may
 from hiradix_model.keys import content_at
 
 # Swarm testing (Groce et al., ISSTA 2012). Hypothesis already switches rules off per
@@ -73,7 +75,7 @@ from hiradix_model.keys import content_at
 SWARM_RULES: tuple[str, ...] = (
     "request_again", "grow_branches", "lock", "unlock", "hold", "release", "evict",
     "evict_host", "write_backup", "finish_copies", "writing_check", "loading_check",
-    "load_back", "reset", "scrambled_insert_slots", "misuse")
+    "load_back", "reset", "scrambled_insert_slots", "misuse", "sink_raises")
 SWARM_SEEDS = st.integers(0, 2**32 - 1)
 
 
@@ -191,6 +193,47 @@ def describe_difference(impl: State, model: State) -> str:
     return "\n".join(lines[:20])
 
 
+# What a sink raises in ``sink_raises`` (issue 34): a router publisher's errors, a bug in
+# it, and the BaseExceptions that are no errors of its own.
+SINK_ERRORS: tuple[type[BaseException], ...] = (
+    RuntimeError, ConnectionResetError, OSError, ValueError, KeyError, TypeError,
+    KeyboardInterrupt, SystemExit)
+
+
+class SinkTrap:
+    """The machine's sink: every event to ``log``; once armed, ``error`` raised at the
+    ``at``-th event from then (issue 34, spec/11 11.7). ``fired``: the exception raised,
+    until the machine has taken the operation's outcome."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.at: int | None = None
+        self.error: BaseException | None = None
+        self.fired: BaseException | None = None
+        self.raised = 0  # how many times it raised
+
+    def arm(self, at: int, error: BaseException) -> None:
+        self.at, self.error, self.fired = at, error, None
+
+    def __call__(self, event: KVEvent) -> None:
+        self.log(event)
+        if self.at is None:
+            return
+        if self.at > 0:
+            self.at -= 1
+            return
+        self.at, self.fired = None, self.error
+        self.raised += 1
+        assert self.error is not None
+        raise self.error
+
+
+class Interrupted:
+    """An operation's result lost to a BaseException the sink raised (spec/11, 11.7)."""
+
+
+INTERRUPTED = Interrupted()
+
 tokens = st.lists(st.integers(1, 3), max_size=14).map(tuple)
 
 
@@ -222,7 +265,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             self.recorder = Recorder()
             self.clock = ManualClock()
             self.cache = scenario.build(self.clock, self.recorder)
-            self.watch = EventWatch(self.cache)
+            self.watch_events()
             self.model = initial(scenario.model_config())
             self.caller_locks: list[TreeNode] = []
             self.holdings: list[torch.Tensor] = []
@@ -235,6 +278,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             self.scenario = scenario
             self.off: frozenset[str] = frozenset()
             self.peaks: dict[str, float] = {}
+            self.resync_events = False  # a sink's BaseException cut the stream short
 
         @initialize(seed=SWARM_SEEDS)
         def swarm(self, seed: int) -> None:
@@ -259,7 +303,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             assert not self.trace, "reshape before any step"
             self.scenario = shaped
             self.cache = shaped.build(self.clock, self.recorder)
-            self.watch = EventWatch(self.cache)
+            self.watch_events()
             self.model = initial(shaped.model_config())
             counts.last_config = shaped.model_config()
 
@@ -276,6 +320,42 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             super().teardown()
 
         # -- plumbing -----------------------------------------------------------------
+
+        def watch_events(self) -> None:
+            """The stream replayed after every step (INV-EVENTS-REPLAY), through a sink
+            ``sink_raises`` can arm."""
+            self.watch = EventWatch(self.cache)
+            self.trap = SinkTrap(self.watch.log)
+            self.cache.events = self.trap
+
+        def call(self, operation: Callable[..., object], *args: object,
+                 **kwargs: object) -> object:
+            """``operation`` of the cache, its outcome typed as spec/11 11.7 says when the
+            armed sink raised: an Exception as ``EventSinkError`` carrying the result
+            (returned here), a BaseException as itself once the state is whole
+            (``INTERRUPTED``: the result is lost, and the rest of the operation's events;
+            the watch resynchronises from the model after the step, as a router that
+            reconnects does). The step's checks then compare state and stream."""
+            trap = self.trap
+            try:
+                result = operation(*args, **kwargs)
+            except EventSinkError as error:
+                fired, trap.fired = trap.fired, None
+                assert isinstance(fired, Exception) and error.__cause__ is fired, (
+                    f"EventSinkError caused by {error.__cause__!r}, the sink raised {fired!r}")
+                counts.ops["sink raised: EventSinkError with the result"] += 1
+                return error.result
+            except BaseException as error:
+                if trap.fired is None or error is not trap.fired:
+                    raise
+                assert not isinstance(error, Exception), (
+                    f"the sink's {error!r} escaped untyped (spec/11, 11.7: EventSinkError)")
+                trap.fired = None
+                self.resync_events = True
+                counts.ops[f"sink raised: {type(error).__name__} propagated"] += 1
+                return INTERRUPTED
+            assert trap.fired is None, f"the sink raised {trap.fired!r} and the call returned"
+            return result
 
         def page_of(self, node: TreeNode) -> Key | None:
             if node is self.cache.root:
@@ -298,18 +378,23 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             pool.write(slots, patterns(contents, pool.layers, pool.token_shape, pool.dtype))
 
         def evict_both(self, num_tokens: int) -> None:
-            evicted = self.cache.evict(num_tokens)
+            evicted = self.call(self.cache.evict, num_tokens)
             chosen = self.recorder.take().device_victims
-            self.agree(evicted, self.step("evict", ops.evict, num_tokens, victims(chosen)))
+            model_evicted = self.step("evict", ops.evict, num_tokens, victims(chosen))
+            if evicted is not INTERRUPTED:
+                self.agree(evicted, model_evicted)
 
         def load_both(self, node: TreeNode, quota: int | None) -> None:
-            loaded, used = self.cache.init_load_back(node, quota)
+            got = self.call(self.cache.init_load_back, node, quota)
             decisions = self.recorder.take().loads
             choice = decisions[0] if decisions else None
             result = self.step(
                 "init_load_back", ops.init_load_back, self.page_of(node), quota,
                 device_victims=victims(list(choice.device_victims)) if choice else (),
                 device_slots=choice.device_slots if choice else None)
+            if got is INTERRUPTED:
+                return
+            loaded, used = got  # type: ignore[misc]
             self.agree((tuple(loaded.tolist()), self.page_of(used)), result)
             scribble(loaded)  # the caller's to reuse (issue 17: it was the copy's own)
 
@@ -420,8 +505,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 now = self.clock.advance(dt)
                 if 0 < counted_from < len(tokens) // ps * ps:
                     counts.ops["insert counted_from inside the key"] += 1
-                prefix = self.cache.insert(rkey, slots, priority=priority, chunked=chunked,
-                                           counted_from=counted_from)
+                prefix = self.call(self.cache.insert, rkey, slots, priority=priority,
+                                   chunked=chunked, counted_from=counted_from)
                 made = self.recorder.take().backups
                 backup = Backup(tuple(map(to_key, made[0].host_victims)),
                                 made[0].host_slots) if made else None
@@ -429,7 +514,8 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                                    priority=priority, chunked=chunked,
                                    counted_from=counted_from, backup=backup)
                 scribble(slots)  # the caller reuses its buffer for the next batch
-                self.agree(ops.InsertResult(prefix, result.due), result)  # type: ignore[attr-defined]
+                if prefix is not INTERRUPTED:
+                    self.agree(ops.InsertResult(prefix, result.due), result)  # type: ignore[attr-defined]
                 owned = self.cache._tree_device_slots()
                 leftover = [s for s in new.tolist() if s not in owned]
                 if leftover:
@@ -485,11 +571,12 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
 
         @rule(num_tokens=st.integers(0, 12))
         def evict_host(self, num_tokens: int) -> None:
-            evicted = self.cache.evict_host(num_tokens)
+            evicted = self.call(self.cache.evict_host, num_tokens)
             chosen = self.recorder.take().host_victims
             model_evicted = self.step("evict_host", ops.evict_host, num_tokens,
                                       tuple(map(to_key, chosen)))
-            self.agree(evicted, model_evicted)
+            if evicted is not INTERRUPTED:
+                self.agree(evicted, model_evicted)
 
         @rule(index=st.integers(0, 63))
         def write_backup(self, index: int) -> None:
@@ -497,11 +584,12 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if not nodes:
                 return
             node = nodes[index % len(nodes)]
-            issued = self.cache.write_backup(node)
+            issued = self.call(self.cache.write_backup, node)
             made = self.recorder.take().backups
             report = Backup(tuple(map(to_key, made[0].host_victims)), made[0].host_slots)
             model_issued = self.step("write_backup", ops.write_backup, self.page_of(node), report)
-            self.agree(issued, model_issued)
+            if issued is not INTERRUPTED:
+                self.agree(issued, model_issued)
 
         @precondition(lambda self: isinstance(self.cache.engine, ControlledCopyEngine)
                       and any(self.cache.pending.values()))
@@ -519,13 +607,21 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
         def acknowledge_writes(self) -> int:
             """The implementation's writing_check; a subclass adds what follows an
             acknowledgement (the storage machine: backup to storage, spec/09 S-R1)."""
-            return self.cache.writing_check()
+            return self.acknowledged("d2h", self.cache.writing_check)
 
         @precondition(lambda self: bool(self.cache.pending["h2d"]))
         @rule()
         def loading_check(self) -> None:
-            acked = self.cache.loading_check()
+            acked = self.acknowledged("h2d", self.cache.loading_check)
             self.step("loading_check", ops.loading_check, acked)
+
+        def acknowledged(self, direction: str, check: Callable[[], int]) -> int:
+            """``check()``'s count; interrupted by the sink, the copies it took off the
+            queue (the state is whole, spec/11 11.7)."""
+            queue = self.cache.pending[direction]  # type: ignore[index]
+            before = len(queue)
+            acked = self.call(check)
+            return before - len(queue) if acked is INTERRUPTED else int(acked)  # type: ignore[call-overload]
 
         @rule(index=st.integers(0, 63), quota=st.none() | st.integers(0, 24),
               leaf=st.booleans())
@@ -550,7 +646,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
 
         def reset_cache(self) -> None:
             """The implementation's reset; the storage machine stops its I/O threads."""
-            self.cache.reset()
+            self.call(self.cache.reset)
 
         # -- caller slots laid out other than whole pages in order (spec/03, R7) ---------
 
@@ -649,6 +745,42 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             assert abstract(cache, self.model) == before, f"{kind} changed the cache"
             counts.ops["misuse rejected"] += 1
 
+        # -- a sink that raises (issue 34; spec/11, 11.7) ------------------------------------
+
+        # Off where a subclass wraps more than ``call`` does (the storage machine: its
+        # tier's own events, and its check, which does not resynchronise the watch).
+        SINK_RAISES = True
+
+        @precondition(lambda self: self.SINK_RAISES)
+        @rule(at=st.integers(0, 3), error=st.sampled_from(SINK_ERRORS),
+              then=st.sampled_from(["request", "request_again", "evict", "evict_host",
+                                    "write_backup", "writing_check", "loading_check",
+                                    "load_back", "reset", "grow_branches"]),
+              data=st.data())
+        def sink_raises(self, at: int, error: type[BaseException], then: str,
+                        data: st.DataObject) -> None:
+            """The sink raises ``error`` at the ``at``-th event from now, in the rule
+            ``then`` (its arguments drawn as that rule's); the operation's outcome is
+            checked in ``call``, the state and the stream by the step's checks. Disarmed
+            after. Off in the storage machine, whose tier calls ``call`` does not wrap
+            (tests/impl/test_events.py raises on the tier's events)."""
+            if then == "request_again" and not self.seen:
+                return
+            if then in ("writing_check", "loading_check") and not self.cache.pending[
+                    "d2h" if then == "writing_check" else "h2d"]:
+                return
+            wanted = getattr(getattr(type(self), then), RULE_MARKER).arguments
+            arguments = {name: data.draw(strategy, label=name)
+                         for name, strategy in wanted.items()}
+            raised = self.trap.raised
+            self.trap.arm(at, error())
+            try:
+                getattr(self, then)(**arguments)
+            finally:
+                self.trap.at = None
+            counts.ops["sink armed: raised" if self.trap.raised > raised
+                       else "sink armed: fewer events than its countdown"] += 1
+
         # -- after every step -------------------------------------------------------------
 
         @invariant()
@@ -660,6 +792,12 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if seen != self.model:
                 raise AssertionError("implementation and model disagree:\n"
                                      + describe_difference(seen, self.model))
+            if self.resync_events:  # a router reconnecting after the interrupt
+                self.watch.log.take()
+                self.watch.resident = {"device": device_resident(self.model),
+                                       "host": host_resident(self.model),
+                                       "storage": storage_may(self.model)}
+                self.resync_events = False
             if self.watch.check(self.model):  # INV-EVENTS-REPLAY (spec/11)
                 counts.exercised["INV-EVENTS-REPLAY"] += 1
             counts.checks += 1
