@@ -610,7 +610,10 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
                          f"{too_large[0]}")
     _budget("--seconds", args.seconds)
     _outputs((check_directory, "--report", args.report), (check_file, "--record", args.record),
-             (check_file, "--reproducer", args.reproducer), (check_file, "--trace", args.trace))
+             (check_file, "--reproducer", args.reproducer), (check_file, "--trace", args.trace),
+             # Hypothesis drops a save it cannot write without a word: a failure cut
+             # short could then not be replayed from it.
+             (check_directory, "--database", None if args.database == "none" else args.database))
     if args.report is not None:
         try:
             pyplot()

@@ -194,14 +194,15 @@ def test_an_unwritable_output_is_a_usage_error_before_any_work(
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
 
 
+@pytest.mark.parametrize("option", ["--report", "--database"])
 @pytest.mark.parametrize("kind", ["parent is a file", "a fifo"])
-def test_an_unwritable_report_directory_is_a_usage_error(
-        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_an_unwritable_output_directory_is_a_usage_error(
+        kind: str, option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     _no_work(monkeypatch)
     path = _unwritable(tmp_path)[kind]()
-    assert cli.main(["check", "--report", path]) == 2
-    _one_line(capsys.readouterr().err, f"hiradix check: --report {path}: ", "--report")
+    assert cli.main(["check", option, path]) == 2
+    _one_line(capsys.readouterr().err, f"hiradix check: {option} {path}: ", option)
 
 
 def test_replay_of_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
