@@ -110,7 +110,7 @@ def test_the_machine_fails_without_consensus() -> None:
     with pytest.raises(AssertionError, match=r"INV-RANKS-(CONSENSUS|AGREE)"):
         run_state_machine_as_test(WithoutHostRoomConsensus, settings=settings(
             max_examples=30, stateful_step_count=40, deadline=None, database=None,
-            phases=[Phase.generate]))
+            phases=[Phase.generate], derandomize=True))  # issue 35: not by luck
 
 
 def test_zz_tally() -> None:

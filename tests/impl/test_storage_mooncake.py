@@ -212,6 +212,7 @@ def test_the_storage_machine_runs_over_mooncake(client: MooncakeClient,
         machine = storage_machine.make_storage_machine(Scenario(), machine_tally, faults)
         run_state_machine_as_test(machine, settings=settings(
             max_examples=15, stateful_step_count=30, deadline=None,
+            derandomize=True,  # issue 35: what it reaches (asserted below) is not luck
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
         assert machine_tally.examples > 0 and machine_tally.checks > 0
         assert shared.metrics.pages_backed_up + faults["pages written to storage"] > 0
