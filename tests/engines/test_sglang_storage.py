@@ -73,10 +73,14 @@ def test_storage_tier_refines_the_model(scenario: Scenario) -> None:
 
 
 def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:
-    """A run that never fetches, backs up, polls, aborts or detaches would pass vacuously."""
+    """A run that never fetches, backs up, polls, aborts or detaches would pass vacuously.
+    A fixed set of examples (derandomized, its size and length given here): what a reach
+    test finds must not depend on the draw (test_sglang_unified_storage's, random, once
+    missed the prefetch I/O; 74bb6f4)."""
     tally = Tally()
     run_state_machine_as_test(machine_class(Scenario(page_size=1), tally),
-                              settings=settings(bounded(), max_examples=100))
+                              settings=settings(max_examples=100, stateful_step_count=40,
+                                                derandomize=True))
     for op in ("prefetch_from_storage", "io_prefetch_query", "io_prefetch_fetch",
                "check_prefetch_progress", "io_storage_write", "drain_storage_queues",
                "detach_storage", "attach_storage"):

@@ -55,13 +55,16 @@ def test_unified_radix_cache_refines_the_model(scenario: Scenario) -> None:
 
 def test_the_campaign_reaches_loads_backups_and_both_evictions() -> None:
     """A differential run that never loads, backs up or evicts would pass vacuously.
-    Random examples even where CI=true makes Hypothesis derandomize: its one fixed set of
-    40 examples held a single load and no load acknowledged."""
+    A fixed set of examples (derandomized, its size and length given here, not the
+    profile's): what a reach test finds must not depend on the draw. On 0.5.20 its 60
+    examples made 33 loads, 21 load acknowledgements, 160 backup acknowledgements; an
+    older machine's fixed 40 held a single load, hence more examples than the
+    campaign's."""
     tally = Tally()
     scenario = Scenario(page_size=1, eviction="lru")
     run_state_machine_as_test(make_differential(factory(ENGINE, scenario), tally),
-                              settings=settings(bounded(), max_examples=40,
-                                                derandomize=False))
+                              settings=settings(max_examples=60, stateful_step_count=60,
+                                                derandomize=True))
     for op in ("init_load_back", "loading_check", "writing_check", "evict", "evict_host",
                "insert", "dec_lock_ref"):
         assert tally.ops[op] > 0, f"no {op} in {dict(tally.ops)}"

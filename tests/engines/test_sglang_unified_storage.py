@@ -111,7 +111,8 @@ def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:
     # examples missed the prefetch I/O once on 0.5.20, in a CI run without CI=true).
     tally = Tally()
     run_state_machine_as_test(machine_class(Scenario(page_size=1), tally),
-                              settings=settings(bounded(60), derandomize=True))
+                              settings=settings(max_examples=60, stateful_step_count=40,
+                                                derandomize=True))
     missing = [op for op in REACHED if not tally.ops[op]]
     assert not missing, (missing, dict(tally.ops))
 

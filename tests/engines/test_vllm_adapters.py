@@ -35,8 +35,12 @@ SCENARIOS = [Scenario(page_size=2, eviction="lru"), Scenario(page_size=4, evicti
 
 
 def bounded() -> settings:
+    """A fixed set of examples (derandomized; as test_sglang_rust's): the campaigns below
+    assert what they reached, which must not depend on the draw. Random examples are
+    the CI campaign's (hiradix check --engine vllm / vllm-offload)."""
     current = settings()
-    return settings(current, max_examples=max(1, current.max_examples // 10), deadline=None)
+    return settings(current, max_examples=max(1, current.max_examples // 10), deadline=None,
+                    derandomize=True)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: f"p{s.page_size}d{s.device_pages}")
