@@ -155,6 +155,9 @@ EXERCISED: dict[str, Callable[[State], bool]] = {
     "INV-RELEASE-ONCE": lambda s: s.storage is not None and bool(s.storage.release_log),
     "INV-STORAGE-WRITE-PROTECT": lambda s: s.storage is not None and any(
         w.phase == "running" for w in s.storage.writes),
+    "INV-STORAGE-WRITE-SOURCE": lambda s: s.storage is not None and any(
+        w.phase != "acked" for w in s.storage.writes)
+    and any(t.direction == "d2h" for t in s.pending),
     "INV-STORAGE-INTEGRITY": lambda s: s.storage is not None and bool(s.storage.stored),
     "INV-PREFETCH-CONTIGUOUS": lambda s: s.storage is not None and any(
         p.landed for p in s.storage.prefetches),
