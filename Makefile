@@ -25,7 +25,7 @@ install_torch = { $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),{ $(1)/pip in
 	--no-index $(TORCH_PIN) 2>/dev/null && $(1)/pip install -q $(TORCH_PIN); } ||) \
 	$(1)/pip install -q $(TORCH_PIN) --extra-index-url $(TORCH_INDEX); }
 
-$(VENV)/.installed: pyproject.toml setup.py impl/hiradix/_pagebits.c | $(BIN)/python
+$(VENV)/.installed: pyproject.toml setup.py impl/hiradix/_pagebits.c impl/hiradix/_tokens.c | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(call install_torch,$(BIN))
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@

@@ -38,7 +38,7 @@ from hiradix.errors import (
 )
 from hiradix.events import EventChannel, EventKind, EventSink, KVEvent, Medium, check_sink
 from hiradix.host_pool import HostKVPool, HostLayout
-from hiradix.keys import TOKEN_BYTES, RadixKey, common_pages
+from hiradix.keys import TOKEN_BYTES, RadixKey, child_key, common_pages
 from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
 from hiradix.transfer import Direction, EngineKind, TransferEngine, make_engine
 from hiradix.tree import TreeNode, split
@@ -361,8 +361,7 @@ class HiRadixCache:
             raise ForeignNode(argument, f"{node!r} belongs to another cache")
         cursor = node
         while cursor.parent is not None:
-            if cursor.parent.children.get((cursor.namespace, cursor.tokens[:self.page_size])) \
-                    is not cursor:
+            if cursor.parent.children.get(cursor.child_key(self.page_size)) is not cursor:
                 raise ForeignNode(argument, f"{node!r} was removed from the cache")
             cursor = cursor.parent
         if cursor is not self.root:
@@ -393,9 +392,9 @@ class HiRadixCache:
         """The nodes along ``key`` (without splitting) and how many tokens of each match."""
         walked = []
         node, start = self.root, 0
-        tokens, packed = key.tokens, key.packed
+        packed = key.packed
         while start < stop_at:
-            child = node.children.get((key.namespace, tokens[start:start + self.page_size]))
+            child = node.children.get(child_key(key.namespace, packed, start, self.page_size))
             if child is None:
                 break
             matched = common_pages(child.packed, packed, start, self.page_size, stop_at)
@@ -424,31 +423,39 @@ class HiRadixCache:
         # One pass down the matched path (issue 13): ``_descend``'s walk, each node taken
         # as it is reached. Device nodes come first on the path (INV-DEVICE-PREFIX-
         # CLOSED), the host-only ones after.
-        size, tokens, packed, namespace = self.page_size, key.tokens, key.packed, key.namespace
-        stop = len(tokens) - len(tokens) % size
+        # Positions in bytes of ``key.packed`` (issue 29): a child's key is a slice of
+        # them, and the common case along a cached path, a segment that matches whole, is
+        # one memcmp in place; only where the key leaves a segment are pages counted.
+        size, packed, namespace = self.page_size, key.packed, key.namespace
+        page = size * TOKEN_BYTES
+        end = (key.length - key.length % size) * TOKEN_BYTES
         parts: list[torch.Tensor] = []
         node = last_device = last_host = self.root
-        host_hit = start = 0
-        while start < stop:
-            child = node.children.get((namespace, tokens[start:start + size]))
+        host_hit = offset = 0
+        while offset < end:
+            child = node.children.get((namespace, packed[offset:offset + page]))
             if child is None:
                 break
-            matched = common_pages(child.packed, packed, start, size, stop)
-            leaves = matched < len(child.tokens)  # the key leaves the path inside child
-            if leaves:
-                child = split(child, matched, size)
+            segment = child.packed
+            if len(segment) <= end - offset and packed.startswith(segment, offset):
+                matched, leaves = len(segment), False
+            else:  # the key leaves the path inside child
+                matched = common_pages(segment, packed, offset // TOKEN_BYTES, size,
+                                       end // TOKEN_BYTES) * TOKEN_BYTES
+                leaves = True
+                child = split(child, matched // TOKEN_BYTES, size)
                 self._refresh_around(child)
             child.last_tick = now
             if child.device is not None:
                 parts.append(child.device)
                 last_device = child
             else:
-                host_hit += matched
+                host_hit += matched // TOKEN_BYTES
             if child.host is not None:
                 last_host = child
             if leaves:
                 break
-            node, start = child, start + matched
+            node, offset = child, offset + matched
         # The caller's own tensor (a copy even for one node: issue 17).
         slots = EMPTY if not parts else parts[0].clone() if len(parts) == 1 else torch.cat(parts)
         return MatchResult(slots, last_device, last_host, host_hit)
@@ -583,7 +590,7 @@ class HiRadixCache:
         due; ``chunked`` counts none at all (spec/03 3.5).
         """
         key = self._require_key(key)
-        slots = self._require_slots(slots, len(key.tokens), "slots")
+        slots = self._require_slots(slots, key.length, "slots")
         if not is_int(priority):
             raise InvalidArgument("priority", f"must be an int, got {priority!r}")
         if not isinstance(chunked, bool):
@@ -647,10 +654,10 @@ class HiRadixCache:
     def _add_leaf(self, key: RadixKey, parent: TreeNode, start: int, end: int,
                   slots: torch.Tensor, now: int, priority: int, hits: int) -> TreeNode:
         """A new node for ``key.tokens[start:end]`` under ``parent``."""
-        node = TreeNode(self, key.namespace, key.tokens[start:end], parent, now, priority,
+        node = TreeNode(self, key.namespace, key.span(start, end), parent, now, priority,
                         packed=key.packed[start * TOKEN_BYTES:end * TOKEN_BYTES])
         node.hits = hits
-        parent.children[(key.namespace, node.tokens[:self.page_size])] = node
+        parent.children[node.child_key(self.page_size)] = node
         self._set_device(node, slots[start:end].clone())
         self._refresh_around(node)
         return node
@@ -886,7 +893,7 @@ class HiRadixCache:
     def _detach(self, node: TreeNode) -> None:
         parent = node.parent
         assert parent is not None
-        del parent.children[(node.namespace, node.tokens[:self.page_size])]
+        del parent.children[node.child_key(self.page_size)]
         self.device_leaves.discard(node)
         self.host_leaves.discard(node)
         node.parent = None

@@ -29,7 +29,7 @@ def _tree(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
         parent = node.parent
         if not node.tokens or len(node.tokens) % ps:
             found.append(f"{node!r}: segment length {len(node.tokens)} is not a page multiple")
-        if parent is None or parent.children.get((node.namespace, node.tokens[:ps])) is not node:
+        if parent is None or parent.children.get(node.child_key(ps)) is not node:
             found.append(f"{node!r}: not reachable from its parent under its child key")
         if node.packed != pack(node.tokens):  # what matching compares (keys.common_pages)
             found.append(f"{node!r}: its packed tokens are not its tokens")

@@ -80,6 +80,10 @@ class TreeNode:
             node = node.parent
         return nodes
 
+    def child_key(self, page_size: int) -> ChildKey:
+        """The key under which this node hangs from its parent (``keys.child_key``)."""
+        return (self.namespace, self.packed[:page_size * TOKEN_BYTES])
+
     def prefix(self) -> tuple[int, ...]:
         """The full token prefix that ends with this node."""
         return tuple(itertools.chain.from_iterable(n.tokens for n in reversed(self.path())))
@@ -114,9 +118,9 @@ def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
     if node.host is not None:
         upper.host = node.host[:at]
         node.host = node.host[at:]
-    parent.children[(node.namespace, node.tokens[:page_size])] = upper
+    parent.children[upper.child_key(page_size)] = upper
     node.tokens = node.tokens[at:]
     node.packed = node.packed[cut:]
     node.parent = upper
-    upper.children[(node.namespace, node.tokens[:page_size])] = node
+    upper.children[node.child_key(page_size)] = node
     return upper

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+from array import array
+
+import numpy
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hiradix.errors import InvalidArgument
 from hiradix.keys import RadixKey, common_pages, pack
 from hiradix.tree import TreeNode, split
+
+
+class IntSubclass(int):
+    """An int subclass (an enum's value, say): a token id, though not an exact int."""
 
 
 def slow_common_pages(a: tuple[int, ...], b: tuple[int, ...], page_size: int) -> int:
@@ -47,12 +58,13 @@ def test_aligned_length_drops_the_partial_tail_page() -> None:
 def test_split_keeps_counters_and_the_lower_part_keeps_the_object() -> None:
     root = TreeNode(None, None, (), None)
     node = TreeNode(None, "ns", (1, 2, 3, 4), root, tick=5, priority=2)
-    root.children[("ns", (1, 2))] = node
+    root.children[("ns", pack((1, 2)))] = node
     node.device = torch.tensor([10, 11, 12, 13])
     node.host = torch.tensor([0, 1, 2, 3])
     node.lock_ref, node.host_ref, node.hits = 2, 1, 3
     upper = split(node, 2, page_size=2)
-    assert root.children[("ns", (1, 2))] is upper and upper.children[("ns", (3, 4))] is node
+    assert root.children[("ns", pack((1, 2)))] is upper
+    assert upper.children[("ns", pack((3, 4)))] is node
     assert node.tokens == (3, 4) and upper.tokens == (1, 2)
     assert node.packed == pack((3, 4)) and upper.packed == pack((1, 2))
     assert upper.device.tolist() == [10, 11] and node.device.tolist() == [12, 13]
@@ -61,3 +73,90 @@ def test_split_keeps_counters_and_the_lower_part_keeps_the_object() -> None:
                       "namespace"):
         assert getattr(upper, attribute) == getattr(node, attribute)
     assert node.prefix() == (1, 2, 3, 4)
+
+
+# -- building a key (issue 29): one packing pass, every input form the same key ------------
+
+TOKEN_IDS = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=64)
+
+
+@given(TOKEN_IDS)
+def test_the_c_packing_agrees_with_the_python_packing(tokens: list[int]) -> None:
+    """``hiradix._tokens.pack`` is the fast path of the Python definition (``pack``)."""
+    c_pack = pytest.importorskip("hiradix._tokens").pack
+    assert c_pack(tokens) == c_pack(tuple(tokens)) == pack(tokens)
+
+
+@pytest.mark.parametrize("tokens", [
+    [True], [2**63], [-(2**63) - 1], [1.0], [numpy.int64(3)], ["1"], [IntSubclass(4)]])
+def test_the_c_packing_refuses_what_is_not_an_exact_int64(tokens: list[object]) -> None:
+    """None sends the key to its slow path, which names the item or accepts a subclass."""
+    c_pack = pytest.importorskip("hiradix._tokens").pack
+    assert c_pack(tokens) is None and c_pack(tuple(tokens)) is None
+
+
+@given(TOKEN_IDS, st.none() | st.text(max_size=3))
+def test_every_input_form_makes_the_same_key(tokens: list[int], namespace: str | None
+                                             ) -> None:
+    key = RadixKey(tuple(tokens), namespace)
+    forms: list[object] = [tokens, array("q", tokens), numpy.array(tokens, dtype=numpy.int64),
+                           torch.tensor(tokens, dtype=torch.int64), memoryview(array("q", tokens))]
+    for form in forms:
+        other = RadixKey(form, namespace)  # type: ignore[arg-type]
+        assert other == key and hash(other) == hash(key) and len(other) == len(tokens)
+        assert other.packed == key.packed == pack(tokens)
+        assert other.tokens == tuple(tokens)
+        assert all(type(t) is int for t in other.tokens)
+        for start, end in ((0, 3), (2, 5), (len(tokens) - 1, len(tokens) + 4)):
+            assert other.span(start, end) == tuple(tokens)[start:end]
+
+
+def test_narrow_and_unsigned_buffers_widen_to_the_same_key() -> None:
+    key = RadixKey((1, 2, 250))
+    for form in (array("h", [1, 2, 250]), array("B", [1, 2, 250]), array("Q", [1, 2, 250]),
+                 numpy.array([1, 2, 250], dtype=numpy.uint8), torch.tensor([1, 2, 250],
+                                                                            dtype=torch.uint8)):
+        assert RadixKey(form) == key  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("tokens", "argument"), [
+    (array("Q", [1, 2**63]), "tokens[1]"),
+    (array("d", [1.0]), "tokens"),
+    (numpy.zeros((2, 2), dtype=numpy.int64), "tokens"),
+    (b"\x01\x02", "tokens"), (bytearray(b"\x01"), "tokens"), ("12", "tokens"),
+    ([1, True], "tokens[1]"), ((1, 2**64), "tokens[1]"), ([1, "2"], "tokens[1]"),
+])
+def test_a_buffer_or_sequence_that_is_no_token_ids_is_refused_by_name(
+        tokens: object, argument: str) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        RadixKey(tokens)  # type: ignore[arg-type]
+    assert raised.value.argument == argument
+
+
+def test_a_key_is_immutable_and_survives_pickle_and_copy() -> None:
+    tokens = [5, 6, 7]
+    key = RadixKey(tokens, "ns")
+    tokens.append(8)  # the caller's list is not the key's
+    assert key.tokens == (5, 6, 7)
+    for name in ("tokens", "packed", "namespace", "length"):
+        with pytest.raises(AttributeError):
+            setattr(key, name, None)
+    with pytest.raises(AttributeError):
+        del key.namespace
+    for other in (pickle.loads(pickle.dumps(key)), copy.deepcopy(key), copy.copy(key)):
+        assert other == key and other.tokens == (5, 6, 7) and other.namespace == "ns"
+    assert key != RadixKey((5, 6, 7)) and key != (5, 6, 7)
+
+
+def test_a_key_shares_the_callers_ints_and_owns_no_list() -> None:
+    """A tuple of exact ints is the key's ``tokens`` as given (immutable already); a
+    list's ints are shared, not copied, so the tree's segments add no int objects; a
+    subclass's items become plain ints."""
+    as_tuple = (1000, 2000, 3000)
+    assert RadixKey(as_tuple).tokens is as_tuple
+    as_list = [1000, 2000, 3000]
+    key = RadixKey(as_list)
+    assert all(a is b for a, b in zip(key.tokens, as_list, strict=True))
+    as_list[0] = 7
+    assert key.tokens == (1000, 2000, 3000)
+    assert all(type(t) is int for t in RadixKey((IntSubclass(1), 2, 3)).tokens)

@@ -23,7 +23,7 @@ from hiradix.conformance.outputs import (
 from hiradix.device_pool import DeviceKVPool
 from hiradix.errors import HiradixError
 from hiradix.host_pool import HostKVPool
-from hiradix.keys import RadixKey
+from hiradix.keys import RadixKey, child_key, pack
 from hiradix.render import render_svg, render_text
 from hiradix.storage.memory import MemoryBackend
 from hiradix.storage.tier import StorageTier, TierSettings
@@ -129,7 +129,8 @@ def _node_at(cache: HiRadixCache, page: dict[str, object] | None) -> TreeNode:
     namespace = page["namespace"]
     position = 0
     while position < len(tokens):
-        child = node.children.get((namespace, tokens[position:position + cache.page_size]))  # type: ignore[arg-type]
+        child = node.children.get(child_key(namespace, pack(tokens), position,  # type: ignore[arg-type]
+                                            cache.page_size))
         if child is None:
             raise ValueError("page not cached here")
         node = child

@@ -715,7 +715,7 @@ class StorageTier:
                         parent.priority if parent is not cache.root else 0,
                         packed=key.packed[first * TOKEN_BYTES:end * TOKEN_BYTES])
         node.host = keep.clone()
-        parent.children[(key.namespace, tokens[:size])] = node
+        parent.children[node.child_key(size)] = node
         cache._refresh_around(node)
         if cache.event_channel.enabled:  # the prefetch insert (spec/11, 11.3)
             cache.event_channel.emit_pages("stored", "host", node.namespace, node.prefix(),
