@@ -33,12 +33,11 @@ def test_the_scaling_rows_time_every_operation_on_ours(
     names, rows = bench_scale.scaling(16, 2048, 0, prefixes=(256,))
     assert names == ["ours"]
     checkpoints = bench_scale.checkpoints(2048)
-    assert [r[2] for r in rows] == ["match_prefix", "insert", "evict", "load_back"] * len(
-        checkpoints)
+    assert [r[2] for r in rows] == list(bench_scale.SCALED_OPS) * len(checkpoints)
     # Every probe ran: three calls of each operation at each checkpoint, load-backs
     # included (the evicted suffixes come back from host).
     assert all(r[3].endswith("(3)") for r in rows), rows
-    cached = [int(r[1].replace(",", "")) for r in rows[::4]]
+    cached = [int(r[1].replace(",", "")) for r in rows[::len(bench_scale.SCALED_OPS)]]
     assert all(c >= p for c, p in zip(cached, checkpoints, strict=True)), (cached, checkpoints)
 
 
@@ -87,14 +86,14 @@ def test_the_profile_sorts_each_cost_into_its_kind(file: str, name: str, kind: s
 
 def test_the_profile_accounts_for_each_operation_and_its_kernels() -> None:
     result = {op: rest for op, *rest in bench_profile.breakdown(16, 0.02, 0)}
-    assert {"match_prefix", "insert", "checks"} <= set(result), result
+    assert {"key", "match", "insert", "checks"} <= set(result), result
     for op, (calls, shares, micros, *_) in result.items():
         assert calls > 0 and micros > 0, op
         assert abs(sum(shares.values()) - 1) < 1e-9, (op, shares)
     # Every insert clones its slots for the node (a kernel) and each backup copies rows
     # (a C call where built); a match clones the matched slots or returns an empty one.
     assert result["insert"][3] >= 1, result["insert"]
-    assert 0 < result["match_prefix"][3] <= 1, result["match_prefix"]
+    assert 0 < result["match"][3] <= 1, result["match"]
     if bench.bookkeeping_core() == "native":
         assert result["insert"][4] >= 1, result["insert"]
 

@@ -28,6 +28,10 @@ from hiradix.conformance.bench import (
     table,
 )
 
+# The timed calls, one profile each: the match_prefix row's two parts, key and match, on
+# their own (its samples are their sums, profiled as those parts).
+PROFILED = ("key", "match", *(op for op in OPS if op not in ("key", "match_prefix")))
+
 #  (file name, function name) of one pstats entry; builtins have the file "~".
 Where = tuple[str, str]
 
@@ -53,15 +57,15 @@ KINDS: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     ("evict heap", lambda f, n: f.endswith("policies.py") or "heapq" in n),
     ("allocators", lambda f, n: f.endswith(("_slots.py", "device_pool.py"))),
     ("host copies", lambda f, n: f.endswith(("host_pool.py", "transfer.py"))),
-    ("C loops", lambda f, n: "_pagebits" in n),
+    ("C loops", lambda f, n: "_pagebits" in n or "_tokens" in n),
     ("torch", lambda f, n: "torch" in n or "Tensor" in n or "/torch/" in f),
 )
 OTHER = "body"
 LEGEND = ("validation: the checks of caller input; walk+split: match and insert's walk, "
           "splits, keys; bookkeeping: leaf-set refresh, locks, counters, ownership; evict "
           "heap: the eviction order; allocators, host copies: their Python side; C loops: "
-          "hiradix._pagebits; torch: torch calls; body: the operation's own lines and Python "
-          "builtins")
+          "hiradix._pagebits and hiradix._tokens; torch: torch calls; body: the "
+          "operation's own lines and Python builtins")
 
 
 def kind(where: Where) -> str:
@@ -96,11 +100,10 @@ def breakdown(page_size: int, scale: float, seed: int) -> list[tuple[str, int, d
     ours = Ours(page_size, DEVICE_TOKENS, HOST_TOKENS)
     timings = ProfiledTimings()
     ours.t = timings
-    keys = [ours.key(r) for r in stream]
-    for key, request in zip(keys, stream, strict=True):
-        ours.serve(key, len(request))
+    for request in stream:
+        ours.serve(request)
     result = []
-    for op in OPS:
+    for op in PROFILED:
         profile = timings.profiles.get(op)
         calls = timings.calls(op)
         if profile is None or not calls:

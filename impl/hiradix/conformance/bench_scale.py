@@ -8,8 +8,9 @@ step, with groups of requests that share one prefix (``PER_GROUP`` requests of p
 of ``--large-tokens``, 1 Mi by default). At each checkpoint ``PROBES`` calls of each
 operation are timed on every engine in turn:
 
-- match_prefix and insert: a new request behind a cached prefix (the match finds the
-  prefix, the insert adds the ``SUFFIX`` new tokens);
+- key, match_prefix and insert: a new request behind a cached prefix, as a list of
+  token ids (key: building the match's key from it; match_prefix: that key and the match,
+  which finds the prefix; insert: its own key and the ``SUFFIX`` new tokens);
 - evict: ``SUFFIX`` tokens (one leaf under LRU, the oldest request's suffix);
 - load_back: requests whose suffixes an engine holds on host only, served again (their
   host copies come back); each engine finds its own (eviction orders differ). The call
@@ -57,6 +58,7 @@ from hiradix.conformance.bench import (
     Ours,
     Timings,
     competitors,
+    peers_as_shipped,
 )
 from hiradix.device_pool import DeviceKVPool
 from hiradix.host_pool import HostKVPool
@@ -64,6 +66,7 @@ from hiradix.keys import RadixKey
 from hiradix.transfer import make_engine
 
 PREFIXES = (8192, 16384, 32768)
+SCALED_OPS = ("key", "match_prefix", "insert", "evict", "load_back")
 SUFFIX = 1024
 PER_GROUP = 8
 PROBES = 8
@@ -79,8 +82,8 @@ class Tokens:
     def __init__(self, seed: int) -> None:
         self.gen = torch.Generator().manual_seed(seed)
 
-    def __call__(self, n: int) -> tuple[int, ...]:
-        return tuple(torch.randint(1, 32000, (n,), generator=self.gen).tolist())
+    def __call__(self, n: int) -> list[int]:
+        return torch.randint(1, 32000, (n,), generator=self.gen).tolist()
 
 
 def checkpoints(target: int) -> list[int]:
@@ -101,7 +104,7 @@ def _resident() -> int:
 class Group:
     """Requests behind one shared prefix."""
 
-    def __init__(self, prefix: tuple[int, ...], tokens: Tokens) -> None:
+    def __init__(self, prefix: list[int], tokens: Tokens) -> None:
         self.prefix = prefix
         self.requests = [prefix + tokens(SUFFIX) for _ in range(PER_GROUP)]
 
@@ -110,19 +113,19 @@ class Group:
         return len(self.prefix) + PER_GROUP * SUFFIX
 
 
-def _serve(engines: list[Any], request: tuple[int, ...]) -> None:
+def _serve(engines: list[Any], request: list[int]) -> None:
     for engine in engines:  # interleaved, as in the main table
-        engine.serve(engine.key(request), len(request))
+        engine.serve(request)
 
 
-def _on_host(engine: Any, order: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+def _on_host(engine: Any, order: list[list[int]]) -> list[list[int]]:
     """The first ``PROBES`` requests of ``order`` whose suffix ``engine`` holds on host
     only (none for a device-only engine)."""
-    found: list[tuple[int, ...]] = []
+    found: list[list[int]] = []
     if engine.name in DEVICE_ONLY:
         return found
     for request in order:
-        if engine.host_hit(engine.key(request)) >= SUFFIX:
+        if engine.host_hit(request) >= SUFFIX:
             found.append(request)
             if len(found) == PROBES:
                 break
@@ -167,7 +170,7 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
     engines: list[Any] = [Ours(page_size, device, 2 * device),
                           *(make(device, 2 * device) for make in competitors(page_size))]
     groups: list[Group] = []
-    order: list[tuple[int, ...]] = []  # requests served, oldest first
+    order: list[list[int]] = []  # requests served, oldest first
     for checkpoint in checkpoints(target):
         while sum(g.cached for g in groups) < checkpoint:
             groups.append(Group(tokens(prefix_len), tokens))
@@ -178,7 +181,7 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
         fresh = [groups[i * len(groups) // PROBES].prefix + tokens(SUFFIX)
                  for i in range(PROBES)]
 
-        def new_requests(fresh: list[tuple[int, ...]] = fresh) -> None:
+        def new_requests(fresh: list[list[int]] = fresh) -> None:
             for request in fresh:
                 _serve(engines, request)
 
@@ -194,16 +197,17 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
             for index in range(PROBES):
                 for engine, mine in zip(engines, targets, strict=True):
                     if index < len(mine):
-                        engine.serve(engine.key(mine[index]), len(mine[index]))
+                        engine.serve(mine[index])
 
         _phase(engines, "match_prefix", samples, new_requests)
         order.extend(fresh)  # cached now: later evictions may take them first
         for engine in engines:
-            samples[engine.name]["insert"] = engine.t.samples["insert"]
+            for op in ("key", "insert"):
+                samples[engine.name][op] = engine.t.samples[op]
         _phase(engines, "evict", samples, evictions)
         _phase(engines, "load_back", samples, reloads)
         cached = sum(g.cached for g in groups)
-        for op in ("match_prefix", "insert", "evict", "load_back"):
+        for op in SCALED_OPS:
             ours = samples["ours"].get(op, [])
             row = [f"{prefix_len:,}", f"{cached:,}", op,
                    _cell(ours, None)]
@@ -257,11 +261,11 @@ def _memory_of(index: int, page_size: int, target: int, seed: int,
         groups.append(Group(tokens(PREFIXES[0]), tokens))
     requests = [r for g in groups for r in g.requests]
     engine = make(device, 2 * device)
-    keys = [engine.key(r) for r in requests]
 
     def build() -> None:
-        for key, request in zip(keys, requests, strict=True):
-            engine.serve(key, len(request))
+        with peers_as_shipped():
+            for request in requests:
+                engine.serve(request)
 
     gc.collect()
     before = _resident()
@@ -341,7 +345,8 @@ def _print(head: list[str], rows: list[list[str]]) -> None:
 def report(page_size: int, target: int, seed: int) -> None:
     """Print the three tables (scaling, memory, bandwidth)."""
     started = time.perf_counter()
-    names, rows = scaling(page_size, target, seed)
+    with peers_as_shipped():
+        names, rows = scaling(page_size, target, seed)
     print(f"\nScaling (page size {page_size}; median µs per call (calls); x: their time / "
           "ours, above 1 means ours is faster):")
     _print(["prefix", "cached", "operation", *names], rows)

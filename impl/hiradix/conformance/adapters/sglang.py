@@ -32,8 +32,10 @@ buffer shape, allocation and index handling are SGLang's, the element copies our
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSet, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +126,6 @@ class LogicalTime:
 
     @staticmethod
     def perf_counter() -> float:
-        import time
         return time.perf_counter()
 
 
@@ -308,6 +309,24 @@ SETUP = "make sglang-env, then run .venv-sglang/bin/hiradix"
 VERSIONS = ("0.5.20",)  # HiRadixCache is gone from 0.5.22 on
 
 
+@contextmanager
+def as_shipped() -> Iterator[None]:
+    """SGLang's caches as its server runs them while the block runs (``hiradix bench``,
+    issue 29): ``time`` in ``radix_cache`` / ``hiradix_cache`` is the real module again.
+    Step 1 is there for deterministic recency, which a timing run does not need; steps
+    2-4 stay (without them nothing runs on a CPU; none makes a cache decision); step 5 is
+    per cache, left out by ``SglangAdapter(..., observed=False)``."""
+    env = _prepare()
+    modules = (env.modules["radix"], env.modules["hi"])
+    for module in modules:
+        module.time = time
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.time = env.clock
+
+
 def probe(engine: str) -> str:
     """The installed SGLang version, if this adapter can drive it (spec/07 7.1)."""
     return probe_engine(engine, "sglang", VERSIONS, "HiRadixCache", SETUP, _prepare)
@@ -323,9 +342,12 @@ def available() -> bool:
 
 
 class SglangAdapter:
-    """One SGLang cache (``RadixCache`` if ``hierarchical`` is False) for one scenario."""
+    """One SGLang cache (``RadixCache`` if ``hierarchical`` is False) for one scenario.
+    ``observed=False``: its evictable-leaf sets stay SGLang's own (step 5 is for
+    comparing runs with the model; a benchmark drives the cache as shipped)."""
 
-    def __init__(self, scenario: Scenario, hierarchical: bool) -> None:
+    def __init__(self, scenario: Scenario, hierarchical: bool, *,
+                 observed: bool = True) -> None:
         check_layouts(scenario, "sglang")
         self.env = _prepare()
         self.env.clock.now = 0  # not the previous cache's last tick
@@ -360,8 +382,9 @@ class SglangAdapter:
             self.cache = m["radix"].RadixCache(params)
             host_slots = 0
             self.operations = RADIX_OPS
-        self.cache.evictable_leaves = _InsertionOrdered(self.cache.evictable_leaves)
-        if hierarchical:
+        if observed:
+            self.cache.evictable_leaves = _InsertionOrdered(self.cache.evictable_leaves)
+        if observed and hierarchical:
             self.cache.evictable_host_leaves = _InsertionOrdered(
                 self.cache.evictable_host_leaves)
         self.config = Config(page_size=ps, device_slots=device_slots, host_slots=host_slots,

@@ -134,6 +134,7 @@ class UnifiedEnv:
     clock: UnifiedClock
     modules: dict[str, Any] = field(default_factory=dict)
     group: Any = None
+    shipped_counter: Any = None  # the tree core's own time counter, before step 1
 
 
 _ENV: UnifiedEnv | None = None
@@ -156,10 +157,25 @@ def prepare() -> UnifiedEnv:
     env = UnifiedEnv(_installed(), UnifiedClock(),
                      {k: importlib.import_module(v) for k, v in _MODULES.items()})
     # The tree core imported the counter by name: the name it calls is the one to replace.
+    env.shipped_counter = env.modules["core"].get_and_increase_time_counter
     env.modules["core"].get_and_increase_time_counter = env.clock.counter
     env.group = patch_for_cpu(env.modules["host"])
     _ENV = env
     return env
+
+
+@contextmanager
+def as_shipped() -> Iterator[None]:
+    """The tree core's own time counter while the block runs (``hiradix bench``, issue
+    29): step 1 is for deterministic stamps, which a timing run does not need. Step 2
+    belongs to the adapter (``build`` leaves the sets as SGLang makes them)."""
+    env = prepare()
+    core = env.modules["core"]
+    core.get_and_increase_time_counter = env.shipped_counter
+    try:
+        yield
+    finally:
+        core.get_and_increase_time_counter = env.clock.counter
 
 
 def probe(engine: str) -> str:
