@@ -180,9 +180,13 @@ class RadixKey:
             _refuse("namespace", f"must be a str or None, got {type(namespace).__name__}")
         # The scheduler's case inline (a list of exact ints, packed by the C pass): a key
         # is built per request, and the calls of the general path cost as much again.
+        # SGLang's scheduler holds a request's tokens as array('q'): one copy of its bytes.
         packed = _C_PACK(tokens) if type(tokens) is list and _C_PACK is not None else None
+        as_tuple: tuple[int, ...] | None = None
         if packed is not None:
-            as_tuple: tuple[int, ...] | None = tuple(tokens)  # type: ignore[arg-type]
+            as_tuple = tuple(tokens)  # type: ignore[arg-type]
+        elif type(tokens) is array and tokens.typecode == "q":  # type: ignore[union-attr]
+            packed = tokens.tobytes()  # type: ignore[union-attr]
         else:
             as_tuple, packed = _checked(tokens)
         _SET_TOKENS(self, as_tuple)

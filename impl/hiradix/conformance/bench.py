@@ -20,15 +20,17 @@ scheduler needs are read with ``path_device_indices``: the match row times both,
 returns the slots.
 
 What a scheduler pays per call is timed, nothing built before the clock starts (issue
-29): a request arrives as a Python list of token ids, and each engine builds its key from
-that list as its server does -- ours a ``RadixKey``, SGLang its ``RadixKey`` -- inside
-the timer, for the match and again for the insert (the key row times the match's alone;
-the match_prefix row is key and match together), and SGLang's parameter objects are
-built inside the timers too. The peers run as shipped (``peers_as_shipped``): the real
-clocks their trees read, and their own evictable-leaf sets, not the insertion-ordered
-ones the conformance adapters put in for deterministic ties. What stays patched is what
-running on a CPU needs (unpinned host memory, the ``index_copy_`` stand-in for
-``transfer_kv_direct``, one gloo group: the adapters' docstrings).
+29): a request arrives as its token ids in an ``array('q')``, the form SGLang's
+scheduler holds them in (``Req.origin_input_ids`` / ``output_ids``, and 0.5.23's Rust
+tree core refuses anything else), and each engine builds its key from that array as its
+server does -- ours a ``RadixKey``, SGLang its ``RadixKey`` -- inside the timer, for the
+match and again for the insert (the key row times the match's alone; the match_prefix
+row is key and match together), and SGLang's parameter objects are built inside the
+timers too. The peers run as shipped (``peers_as_shipped``): the real clocks their trees
+read, and their own evictable-leaf sets, not the insertion-ordered ones the conformance
+adapters put in for deterministic ties. What stays patched is what running on a CPU
+needs (unpinned host memory, the ``index_copy_`` stand-in for ``transfer_kv_direct``,
+one gloo group: the adapters' docstrings).
 
 Where ours runs on the C bookkeeping loops (``hiradix._pagebits``), ours on the torch
 ones (``HIRADIX_CORE=python``) is one more engine of the table, ``ours-python-core``: the
@@ -49,6 +51,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -175,7 +178,7 @@ class Ours:
         engine.name = "ours-python-core"
         return engine
 
-    def serve(self, tokens: list[int]) -> None:
+    def serve(self, tokens: array[int]) -> None:
         c, t, n = self.cache, self.t, len(tokens)
         key = t.timed("key", lambda: RadixKey(tokens))
         got = t.timed("match", lambda: c.match_prefix(key))
@@ -205,7 +208,7 @@ class Ours:
     def evict_tokens(self, n: int) -> None:
         self.t.timed("evict", lambda: self.cache.evict(n))
 
-    def host_hit(self, tokens: list[int]) -> int:
+    def host_hit(self, tokens: array[int]) -> int:
         """Tokens a match of ``tokens`` finds on host only (untimed)."""
         return self.cache.match_prefix(RadixKey(tokens)).host_hit_length
 
@@ -248,12 +251,12 @@ class Sglang:
         self.ps = page_size
         self.t = Timings()
 
-    def key(self, tokens: list[int]) -> Any:
-        """SGLang's key of a request, built from its list of token ids as the server's
+    def key(self, tokens: array[int]) -> Any:
+        """SGLang's key of a request, built from its array of token ids as the server's
         scheduler builds it (``RadixKey(token_ids=..., extra_key=...)``)."""
         return self.radix.RadixKey(token_ids=tokens, extra_key=None)
 
-    def serve(self, tokens: list[int]) -> None:
+    def serve(self, tokens: array[int]) -> None:
         c, m, t, alloc = self.adapter.cache, self.m, self.t, self.adapter.allocator
         n, radix_key = len(tokens), self.key
         params = t.timed("key", lambda: m.MatchPrefixParams(key=radix_key(tokens)))
@@ -293,7 +296,7 @@ class Sglang:
         evict = self.m.EvictParams(num_tokens=n)
         self.t.timed("evict", lambda: self.adapter.cache.evict(evict))
 
-    def host_hit(self, tokens: list[int]) -> int:
+    def host_hit(self, tokens: array[int]) -> int:
         if not self.hier:
             return 0
         got = self.adapter.cache.match_prefix(self.m.MatchPrefixParams(key=self.key(tokens)))
@@ -334,7 +337,7 @@ class Unified:
         self.ps = page_size
         self.t = Timings()
 
-    def key(self, tokens: list[int]) -> Any:
+    def key(self, tokens: array[int]) -> Any:
         """As ``Sglang.key``: the server's key, from the request's list."""
         return self.radix.RadixKey(token_ids=tokens, extra_key=None)
 
@@ -344,7 +347,7 @@ class Unified:
             return got, got.device_indices
         return got, self.cache.path_device_indices(got.last_device_node)
 
-    def serve(self, tokens: list[int]) -> None:
+    def serve(self, tokens: array[int]) -> None:
         c, m, t, alloc = self.cache, self.m, self.t, self.alloc
         n, radix_key = len(tokens), self.key
         params = t.timed("key", lambda: m.MatchPrefixParams(key=radix_key(tokens)))
@@ -402,7 +405,7 @@ class Unified:
         evict = self.m.EvictParams(num_tokens=n)
         self.t.timed("evict", lambda: self.cache.evict(evict))
 
-    def host_hit(self, tokens: list[int]) -> int:
+    def host_hit(self, tokens: array[int]) -> int:
         params = self.m.MatchPrefixParams(key=self.key(tokens))
         return int(self.cache.match_prefix(params).host_hit_length)
 
@@ -454,10 +457,10 @@ DEVICE_ONLY = ("sglang-radix",)  # engines without a host tier: no HOST_OPS rows
 DEVICE_TOKENS, HOST_TOKENS = 32768, 65536  # the long documents overflow the device
 
 
-def request_stream(seed: int, scale: float) -> list[list[int]]:
+def request_stream(seed: int, scale: float) -> list[array[int]]:
     """The four workloads' requests as one shuffled stream, the order every engine serves;
-    each a list of token ids, as a server holds a request's tokens."""
-    stream = [list(r) for w in workloads(seed, scale) for r in w.requests]
+    each an ``array('q')`` of token ids, as SGLang's scheduler holds a request's tokens."""
+    stream = [array("q", r) for w in workloads(seed, scale) for r in w.requests]
     random.Random(seed).shuffle(stream)
     return stream
 
@@ -495,7 +498,7 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]],
     with peers_as_shipped():
         for index, request in enumerate(stream):
             # Interleaved: the same request on every engine in turn, the first engine
-            # rotating, since the first to read a fresh request's list pays its cache
+            # rotating, since the first to read a fresh request pays its cache
             # misses (on this stream, a key built first cost 1.6 times one built second).
             first = index % len(engines)
             for engine in engines[first:] + engines[:first]:
@@ -510,7 +513,7 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]],
     for other in others:
         other.close()
     # Metadata: a fresh tree of each kind over the shared-prompt workload, no eviction.
-    sample = [list(r) for r in workloads(seed, scale)[0].requests]
+    sample = [array("q", r) for r in workloads(seed, scale)[0].requests]
     for make in makers:
         fresh_ours = Ours(page_size, 1 << 18, 1 << 18)
         fresh = make(1 << 18, 1 << 18)
@@ -529,7 +532,7 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]],
         fresh.close()
 
 
-def _serve_all(engine: Any, requests: list[list[int]]) -> Callable[[], None]:
+def _serve_all(engine: Any, requests: list[array[int]]) -> Callable[[], None]:
     def build() -> None:
         for request in requests:
             engine.serve(request)

@@ -8,9 +8,10 @@ step, with groups of requests that share one prefix (``PER_GROUP`` requests of p
 of ``--large-tokens``, 1 Mi by default). At each checkpoint ``PROBES`` calls of each
 operation are timed on every engine in turn:
 
-- key, match_prefix and insert: a new request behind a cached prefix, as a list of
-  token ids (key: building the match's key from it; match_prefix: that key and the match,
-  which finds the prefix; insert: its own key and the ``SUFFIX`` new tokens);
+- key, match_prefix and insert: a new request behind a cached prefix, as an
+  ``array('q')`` of token ids (key: building the match's key from it; match_prefix:
+  that key and the match, which finds the prefix; insert: its own key and the
+  ``SUFFIX`` new tokens);
 - evict: ``SUFFIX`` tokens (one leaf under LRU, the oldest request's suffix);
 - load_back: requests whose suffixes an engine holds on host only, served again (their
   host copies come back); each engine finds its own (eviction orders differ). The call
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -82,8 +84,8 @@ class Tokens:
     def __init__(self, seed: int) -> None:
         self.gen = torch.Generator().manual_seed(seed)
 
-    def __call__(self, n: int) -> list[int]:
-        return torch.randint(1, 32000, (n,), generator=self.gen).tolist()
+    def __call__(self, n: int) -> array[int]:
+        return array("q", torch.randint(1, 32000, (n,), generator=self.gen).tolist())
 
 
 def checkpoints(target: int) -> list[int]:
@@ -104,7 +106,7 @@ def _resident() -> int:
 class Group:
     """Requests behind one shared prefix."""
 
-    def __init__(self, prefix: list[int], tokens: Tokens) -> None:
+    def __init__(self, prefix: array[int], tokens: Tokens) -> None:
         self.prefix = prefix
         self.requests = [prefix + tokens(SUFFIX) for _ in range(PER_GROUP)]
 
@@ -113,15 +115,15 @@ class Group:
         return len(self.prefix) + PER_GROUP * SUFFIX
 
 
-def _serve(engines: list[Any], request: list[int]) -> None:
+def _serve(engines: list[Any], request: array[int]) -> None:
     for engine in engines:  # interleaved, as in the main table
         engine.serve(request)
 
 
-def _on_host(engine: Any, order: list[list[int]]) -> list[list[int]]:
+def _on_host(engine: Any, order: list[array[int]]) -> list[array[int]]:
     """The first ``PROBES`` requests of ``order`` whose suffix ``engine`` holds on host
     only (none for a device-only engine)."""
-    found: list[list[int]] = []
+    found: list[array[int]] = []
     if engine.name in DEVICE_ONLY:
         return found
     for request in order:
@@ -170,7 +172,7 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
     engines: list[Any] = [Ours(page_size, device, 2 * device),
                           *(make(device, 2 * device) for make in competitors(page_size))]
     groups: list[Group] = []
-    order: list[list[int]] = []  # requests served, oldest first
+    order: list[array[int]] = []  # requests served, oldest first
     for checkpoint in checkpoints(target):
         while sum(g.cached for g in groups) < checkpoint:
             groups.append(Group(tokens(prefix_len), tokens))
@@ -181,7 +183,7 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
         fresh = [groups[i * len(groups) // PROBES].prefix + tokens(SUFFIX)
                  for i in range(PROBES)]
 
-        def new_requests(fresh: list[list[int]] = fresh) -> None:
+        def new_requests(fresh: list[array[int]] = fresh) -> None:
             for request in fresh:
                 _serve(engines, request)
 
