@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from hiradix.keys import TOKEN_BYTES, ChildKey, pack
+from hiradix.keys import TOKEN_BYTES, ChildKey, child_key, pack
 
 _ids = itertools.count(1)
 
@@ -82,7 +82,7 @@ class TreeNode:
 
     def child_key(self, page_size: int) -> ChildKey:
         """The key under which this node hangs from its parent (``keys.child_key``)."""
-        return (self.namespace, self.packed[:page_size * TOKEN_BYTES])
+        return child_key(self.namespace, self.packed, 0, page_size)
 
     def prefix(self) -> tuple[int, ...]:
         """The full token prefix that ends with this node."""

@@ -234,6 +234,13 @@ def _evict_and_alloc(timings: Timings, cache: Any, alloc: Any, params: Callable[
     return alloc.alloc(need) if need else None
 
 
+def server_key(radix: Any, tokens: array[int]) -> Any:
+    """SGLang's key of a request (``radix``: its ``radix_cache`` module), built from the
+    request's array of token ids as the server's scheduler builds it
+    (``RadixKey(token_ids=..., extra_key=...)``, mem_cache/common.py)."""
+    return radix.RadixKey(token_ids=tokens, extra_key=None)
+
+
 class Sglang:
     def __init__(self, page_size: int, device_slots: int, host_slots: int,
                  hierarchical: bool) -> None:
@@ -252,9 +259,7 @@ class Sglang:
         self.t = Timings()
 
     def key(self, tokens: array[int]) -> Any:
-        """SGLang's key of a request, built from its array of token ids as the server's
-        scheduler builds it (``RadixKey(token_ids=..., extra_key=...)``)."""
-        return self.radix.RadixKey(token_ids=tokens, extra_key=None)
+        return server_key(self.radix, tokens)
 
     def serve(self, tokens: array[int]) -> None:
         c, m, t, alloc = self.adapter.cache, self.m, self.t, self.adapter.allocator
@@ -338,8 +343,7 @@ class Unified:
         self.t = Timings()
 
     def key(self, tokens: array[int]) -> Any:
-        """As ``Sglang.key``: the server's key, from the request's list."""
-        return self.radix.RadixKey(token_ids=tokens, extra_key=None)
+        return server_key(self.radix, tokens)
 
     def _match(self, params: Any) -> tuple[Any, torch.Tensor]:
         got = self.cache.match_prefix(params)
