@@ -229,8 +229,10 @@ def _evict_and_alloc(timings: Timings, cache: Any, alloc: Any, params: Callable[
     too few are free)."""
     need = -(-tokens // page_size) * page_size
     if need > alloc.available_size():
-        evict = params(num_tokens=need - alloc.available_size())
-        timings.timed("evict", lambda: cache.evict(evict))
+        short = need - alloc.available_size()
+        # The scheduler builds an EvictParams per call (mem_cache/common.py), so its
+        # construction is timed, as ours is timed from the same int.
+        timings.timed("evict", lambda: cache.evict(params(num_tokens=short)))
     return alloc.alloc(need) if need else None
 
 
@@ -268,10 +270,12 @@ class Sglang:
         got = t.timed("match", lambda: c.match_prefix(params))
         t.total("match_prefix", "key", "match")
         if self.hier and got.host_hit_length >= c.load_back_threshold:
-            load = m.InitLoadBackParams(best_match_node=got.best_match_node,
-                                        host_hit_length=got.host_hit_length)
-            t.timed("load_back", lambda: (c.init_load_back(load),
-                                          c.ready_to_load_host_cache()))
+            # The scheduler builds an InitLoadBackParams per call (schedule_policy.py):
+            # inside the timer.
+            t.timed("load_back", lambda: (
+                c.init_load_back(m.InitLoadBackParams(best_match_node=got.best_match_node,
+                                                      host_hit_length=got.host_hit_length)),
+                c.ready_to_load_host_cache()))
             got = c.match_prefix(params)
         node = got.last_device_node
         c.inc_lock_ref(node)
@@ -298,8 +302,9 @@ class Sglang:
                          lambda: sum(len(n.key) for n in nodes()))
 
     def evict_tokens(self, n: int) -> None:
-        evict = self.m.EvictParams(num_tokens=n)
-        self.t.timed("evict", lambda: self.adapter.cache.evict(evict))
+        # EvictParams is built per call by the server: inside the timer.
+        params = self.m.EvictParams
+        self.t.timed("evict", lambda: self.adapter.cache.evict(params(num_tokens=n)))
 
     def host_hit(self, tokens: array[int]) -> int:
         if not self.hier:
@@ -358,15 +363,17 @@ class Unified:
         got, device = t.timed("match", lambda: self._match(params))
         t.total("match_prefix", "key", "match")
         if got.host_hit_length >= c.load_back_threshold:
-            # What init_load_back reads of the request (FULL is the only component).
+            # What init_load_back reads of the request (FULL is the only component); the
+            # server's Req exists before the call, so it stays outside the timer.
             req = SimpleNamespace(rid="bench", last_node=got.last_device_node,
                                   swa_host_hit_length=0, mamba_host_hit_length=0,
                                   kv=SimpleNamespace(mamba_pool_idx=None))
-            load = m.InitLoadBackParams(best_match_node=got.best_match_node,
-                                        host_hit_length=got.host_hit_length, mem_quota=None,
-                                        req=req)
-            t.timed("load_back", lambda: (c.init_load_back(load),
-                                          c.ready_to_load_host_cache()))
+            # The InitLoadBackParams is built per call (schedule_policy.py): inside.
+            t.timed("load_back", lambda: (
+                c.init_load_back(m.InitLoadBackParams(best_match_node=got.best_match_node,
+                                                      host_hit_length=got.host_hit_length,
+                                                      mem_quota=None, req=req)),
+                c.ready_to_load_host_cache()))
             got, device = self._match(params)
         receipt = c.inc_lock_ref(got.last_device_node)
         cached = len(device)
@@ -406,8 +413,9 @@ class Unified:
         return _metadata(build, slots, lambda: sum(len(n.key) for n in nodes()))
 
     def evict_tokens(self, n: int) -> None:
-        evict = self.m.EvictParams(num_tokens=n)
-        self.t.timed("evict", lambda: self.cache.evict(evict))
+        # EvictParams is built per call by the server: inside the timer.
+        params = self.m.EvictParams
+        self.t.timed("evict", lambda: self.cache.evict(params(num_tokens=n)))
 
     def host_hit(self, tokens: array[int]) -> int:
         params = self.m.MatchPrefixParams(key=self.key(tokens))
