@@ -5,7 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from swa_mutants import SWA_MUTANTS
+
 from hiradix_model import INVARIANTS
+from hiradix_model.hybrid import MATCH_INVARIANT, SWA_INVARIANTS
 from hiradix_model.ranks import RANK_INVARIANTS
 
 from mutants import MUTANTS
@@ -17,9 +20,11 @@ HEADING = re.compile(r"^### (INV-[A-Z0-9-]+)$", re.MULTILINE)
 MENTION = re.compile(r"INV-[A-Z0-9]+(?:-[A-Z0-9]+)*")
 
 
-# The single-rank invariants (predicates over a State) and the rank invariants of
-# spec/12 (predicates over every rank's record).
-PAGES = ("05-invariants.md", "12-ranks.md")
+# The single-rank invariants (predicates over a State), the rank invariants of spec/12
+# (predicates over every rank's record) and the hybrid ones of spec/13 (over an SwaState;
+# INV-SWA-MATCH-LIVE over a state and a match, tested by test_hybrid and the machine).
+PAGES = ("05-invariants.md", "12-ranks.md", "13-components.md")
+HYBRID = set(SWA_INVARIANTS) | {MATCH_INVARIANT}
 
 
 def defined_ids() -> set[str]:
@@ -31,12 +36,13 @@ def test_spec_defines_at_least_twelve_invariants() -> None:
 
 
 def test_every_spec_id_has_a_predicate_and_every_predicate_is_in_the_spec() -> None:
-    assert defined_ids() == set(INVARIANTS) | set(RANK_INVARIANTS)
+    assert defined_ids() == set(INVARIANTS) | set(RANK_INVARIANTS) | HYBRID
     assert not set(INVARIANTS) & set(RANK_INVARIANTS)
+    assert not (set(INVARIANTS) | set(RANK_INVARIANTS)) & HYBRID
 
 
 def test_every_spec_id_has_a_test_that_can_fail_on_it() -> None:
-    assert defined_ids() == set(MUTANTS) | set(RANK_MUTANTS)
+    assert defined_ids() == set(MUTANTS) | set(RANK_MUTANTS) | set(SWA_MUTANTS) | {MATCH_INVARIANT}
 
 
 def test_spec_mentions_only_defined_ids() -> None:

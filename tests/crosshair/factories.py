@@ -27,8 +27,12 @@ from hiradix_model import (
     invariants,
     storage_choosers,
 )
+from hiradix_model import hybrid as checked_hybrid
 from hiradix_model import ops as checked_ops
 from hiradix_model.config import STRATEGIES, WRITE_POLICIES
+from hiradix_model.hybrid import SwaConfig, SwaState
+from hiradix_model.hybrid import invariants as swa_invariants
+from hiradix_model.hybrid.state import swa_candidates
 
 ALPHABET = (1, 2)
 MAX_TOKENS = 4
@@ -44,6 +48,16 @@ class _Unchecked:
 
 
 ops = _Unchecked()
+
+
+class _UncheckedHybrid:
+    """The hybrid operations (spec/13) without contract enforcement, as ``_Unchecked``."""
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return NoEnforce(getattr(checked_hybrid, name))
+
+
+hybrid = _UncheckedHybrid()
 
 
 def _choice(factory: SymbolicFactory, options: tuple, suffix: str):  # type: ignore[no-untyped-def]
@@ -157,6 +171,51 @@ def _storage_activity(factory: SymbolicFactory, state: State, now: int) -> State
     return ops.io_prefetch_fetch(state, "p", remaining)[0]
 
 
+def _swa_request(state: SwaState, key: Key, past: int, keep: bool) -> SwaState:
+    """A request as spec/13 13.4 runs it, taking the lowest free slots of each pool."""
+    ps = state.config.page_size
+    match = hybrid.match_prefix(state, key)
+    state = hybrid.inc_lock_ref(state, match.last_page)
+    cached = len(match.full_slots)
+    whole = -(-(len(key.tokens) - cached) // ps) * ps
+    if whole > len(state.full_free) or whole > len(state.swa_free):
+        return hybrid.dec_lock_ref(state, match.last_page, False)
+    full = tuple(sorted(state.full_free)[:whole])
+    state = hybrid.alloc(state, key, cached, full, tuple(sorted(state.swa_free)[:whole]))
+    aligned = len(key.tokens) - len(key.tokens) % ps
+    evicted = max(cached, min(past * ps, aligned))
+    if evicted > cached:
+        state = hybrid.free_swa(state, full[:evicted - cached])
+    slots = match.full_slots + full[:len(key.tokens) - cached]
+    state, _ = hybrid.insert(state, key, slots, evicted)
+    leftover = tuple(f for f in full if f in state.held)
+    if leftover:
+        state = hybrid.free(state, leftover)
+    state = hybrid.dec_lock_ref(state, match.last_page, False)
+    if keep:
+        state = hybrid.inc_lock_ref(state, hybrid.match_prefix(state, key).last_page)
+    return state
+
+
+def make_swa_state(factory: SymbolicFactory) -> SwaState:
+    """A reachable hybrid state: requests, some held running, SWA evictions between."""
+    page_size = _choice(factory, (1, 2), "_page_size")
+    config = SwaConfig(page_size=page_size, full_slots=6 * page_size,
+                       swa_slots=3 * page_size, window=_choice(factory, (1, 2, 3), "_window"))
+    state = checked_hybrid.initial(config)
+    requests = factory(int, "_requests")
+    for index in range(MAX_REQUESTS):
+        if index >= requests:
+            break
+        past = _choice(factory, (0, 1, 2), f"_past{index}")
+        keep = _choice(factory, (False, True), f"_keep{index}")
+        state = _swa_request(state, make_key(factory), past, keep)
+        candidates = sorted(swa_candidates(state), key=lambda k: (-len(k.tokens), k.tokens))
+        if candidates and _choice(factory, (False, True), f"_evict{index}"):
+            state, _ = hybrid.evict_swa(state, page_size, candidates[:1])
+    return deep_realize(state)
+
+
 def _traced(build):  # type: ignore[no-untyped-def]
     # CrossHair calls creators with tracing off; the builders branch on symbolic values,
     # which needs tracing back on.
@@ -181,7 +240,18 @@ def _concrete_check(state: State) -> tuple[str, ...]:
 _original_check = invariants.check
 
 
+def _concrete_swa_check(state: SwaState) -> list[str]:
+    """swa_invariants.check on the realized state, outside the tracer (as above)."""
+    with NoTracing():
+        return _original_swa_check(deep_realize(state))
+
+
+_original_swa_check = swa_invariants.check
+
+
 def register() -> None:
     register_patch(invariants.check, _concrete_check)
     register_type(Key, _traced(make_key))
     register_type(State, _traced(make_state))
+    register_patch(swa_invariants.check, _concrete_swa_check)
+    register_type(SwaState, _traced(make_swa_state))

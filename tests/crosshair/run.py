@@ -25,6 +25,12 @@ MODULES = [
     "hiradix_model.ops.storage.io",
     "hiradix_model.ops.storage.progress",
     "hiradix_model.ops.storage.backup",
+    # The (FULL, SWA) hybrid cache (spec/13).
+    "hiradix_model.hybrid.pool",
+    "hiradix_model.hybrid.insert",
+    "hiradix_model.hybrid.match",
+    "hiradix_model.hybrid.locks",
+    "hiradix_model.hybrid.evict",
 ]
 
 

@@ -1,0 +1,140 @@
+"""The invariants of spec/13, 13.5, one named predicate per spec ID.
+
+As in ``hiradix_model.invariants``: each predicate yields a description of every
+violation; ``check`` returns the failing IDs, ``violations`` the descriptions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+
+from hiradix_model.hybrid.state import (
+    SwaState,
+    expected_kv,
+    owned_full,
+    owned_swa,
+    window_live,
+)
+from hiradix_model.keys import Key, page_keys, parent_page
+
+SwaPredicate = Callable[[SwaState], Iterator[str]]
+SWA_INVARIANTS: dict[str, SwaPredicate] = {}
+
+
+def swa_invariant(spec_id: str) -> Callable[[SwaPredicate], SwaPredicate]:
+    def register(predicate: SwaPredicate) -> SwaPredicate:
+        assert spec_id not in SWA_INVARIANTS, spec_id
+        SWA_INVARIANTS[spec_id] = predicate
+        return predicate
+
+    return register
+
+
+def _one_page(slots: tuple[int, ...], ps: int) -> bool:
+    return slots[0] % ps == 0 and all(s == slots[0] + i for i, s in enumerate(slots))
+
+
+@swa_invariant("INV-SWA-TREE-WELL-FORMED")
+def tree_well_formed(state: SwaState) -> Iterator[str]:
+    ps = state.config.page_size
+    for key, page in state.pages.items():
+        if not key.tokens or len(key.tokens) % ps:
+            yield f"{key}: length {len(key.tokens)} is not a positive multiple of {ps}"
+        parent = parent_page(key, ps)
+        if parent is not None and parent not in state.pages:
+            yield f"{key}: its parent page {parent} is not cached"
+        for pool, slots in (("full", page.full), ("swa", page.swa)):
+            if slots is None or not slots:
+                continue
+            if len(slots) != ps or not _one_page(slots, ps):
+                yield f"{key}: {pool} slots {slots} are not the {ps} slots of one page in order"
+
+
+@swa_invariant("INV-SWA-ONLY-WITH-FULL")
+def only_with_full(state: SwaState) -> Iterator[str]:
+    for key, page in state.pages.items():
+        if not page.full:
+            yield f"{key}: cached without full KV (swa {page.swa})"
+
+
+def _partition(pool: str, size: int, parts: Iterable[tuple[str, Iterable[int]]]) -> Iterator[str]:
+    seen: Counter[int] = Counter()
+    where: dict[int, list[str]] = {}
+    for name, slots in parts:
+        for slot in slots:
+            seen[slot] += 1
+            where.setdefault(slot, []).append(name)
+    for slot, count in sorted(seen.items()):
+        if count > 1:
+            yield f"{pool} slot {slot} is in {count} places: {', '.join(where[slot])}"
+        if not 0 <= slot < size:
+            yield f"{pool} slot {slot} is outside the pool of {size}"
+    missing = set(range(size)) - set(seen)
+    if missing:
+        yield f"{pool} slots {sorted(missing)} are neither free, held nor owned (leaked)"
+
+
+@swa_invariant("INV-SWA-FULL-POOL")
+def full_pool(state: SwaState) -> Iterator[str]:
+    yield from _partition("full", state.config.full_slots, (
+        ("free", state.full_free), ("held", state.held), ("owned", owned_full(state))))
+
+
+@swa_invariant("INV-SWA-SWA-POOL")
+def swa_pool(state: SwaState) -> Iterator[str]:
+    halves = (s for s in state.held.values() if s is not None)
+    yield from _partition("swa", state.config.swa_slots, (
+        ("free", state.swa_free), ("held", halves), ("owned", owned_swa(state))))
+
+
+@swa_invariant("INV-SWA-CONTENT")
+def content(state: SwaState) -> Iterator[str]:
+    ps = state.config.page_size
+    for key, page in state.pages.items():
+        for pool, slots, kv in (("full", page.full, state.full_kv),
+                                ("swa", page.swa, state.swa_kv)):
+            for offset, slot in enumerate(slots or ()):
+                want = expected_kv(key, offset, ps)
+                if kv.get(slot) != want:
+                    yield f"{key}: {pool} slot {slot} holds {kv.get(slot)}, not {want}"
+
+
+@swa_invariant("INV-SWA-LOCKS")
+def locks(state: SwaState) -> Iterator[str]:
+    ps = state.config.page_size
+    for key, page in state.pages.items():
+        if page.lock < 0 or page.swa_lock < 0:
+            yield f"{key}: negative lock count ({page.lock}, swa {page.swa_lock})"
+        parent = parent_page(key, ps)
+        if parent is not None and parent in state.pages and state.pages[parent].lock < page.lock:
+            yield f"{key}: locked {page.lock} times, its parent only {state.pages[parent].lock}"
+        if page.swa_lock > 0 and not page.live:
+            yield f"{key}: a tombstone inside a locked window (swa_lock {page.swa_lock})"
+
+
+def check(state: SwaState) -> list[str]:
+    """The IDs of the invariants ``state`` violates, in spec order."""
+    return [i for i, predicate in SWA_INVARIANTS.items() if any(True for _ in predicate(state))]
+
+
+def violations(state: SwaState) -> list[str]:
+    """Every violation, prefixed with its ID."""
+    return [f"{i}: {v}" for i, predicate in SWA_INVARIANTS.items() for v in predicate(state)]
+
+
+def match_problems(state: SwaState, key: Key, page: Key | None) -> Iterator[str]:
+    """INV-SWA-MATCH-LIVE (13.5): what is wrong with ``page`` as the end of a match of
+    ``key``: its window must be live, and no deeper cached page of the key may have one."""
+    if page is not None and not window_live(state, page):
+        yield f"the match of {key} ends at {page}, whose window is not live"
+    depth = 0 if page is None else len(page.tokens)
+    for deeper in page_keys(key, state.config.page_size):
+        if deeper not in state.pages:
+            break
+        if len(deeper.tokens) > depth and window_live(state, deeper):
+            yield f"the match of {key} ends at {page}, but {deeper} is cached with a live window"
+            break
+
+
+MATCH_INVARIANT = "INV-SWA-MATCH-LIVE"

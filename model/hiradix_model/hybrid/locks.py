@@ -1,0 +1,73 @@
+"""inc_lock_ref, dec_swa_lock and dec_lock_ref (spec/13, 13.3)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
+from hiradix_model.hybrid._args import require, require_key
+from hiradix_model.hybrid.invariants import check  # noqa: F401 (contracts)
+from hiradix_model.hybrid.state import SwaState, root_path, window, window_live
+from hiradix_model.keys import Key
+
+
+def _require_page(state: SwaState, page: Key | None) -> None:
+    if page is not None:
+        require_key(page, "page")
+        require(page in state.pages, "page", "is not cached")
+
+
+def _shift(state: SwaState, page: Key, lock: int, swa_lock: int) -> SwaState:
+    pages = dict(state.pages)
+    for key in root_path(state, page):
+        pages[key] = replace(pages[key], lock=pages[key].lock + lock)
+    for key in window(state, page):
+        pages[key] = replace(pages[key], swa_lock=pages[key].swa_lock + swa_lock)
+    return replace(state, pages=pages)
+
+
+def inc_lock_ref(state: SwaState, page: Key | None) -> SwaState:
+    """Lock ``page``'s path (full) and its window (SWA); None: the root, a no-op.
+
+    pre: not check(state)
+    post: not check(__return__)
+    raises: PreconditionError
+    """
+    _require_page(state, page)
+    if page is None:
+        return state
+    require(window_live(state, page), "page", "has a tombstone in its window")
+    return _shift(state, page, 1, 1)
+
+
+def dec_swa_lock(state: SwaState, page: Key | None) -> SwaState:
+    """Release only the SWA part of one lock on ``page``.
+
+    pre: not check(state)
+    post: not check(__return__)
+    raises: PreconditionError
+    """
+    _require_page(state, page)
+    if page is None:
+        return state
+    require(all(state.pages[k].swa_lock > 0 for k in window(state, page)), "page",
+            "its window holds no SWA lock")
+    return _shift(state, page, 0, -1)
+
+
+def dec_lock_ref(state: SwaState, page: Key | None, swa_released: bool) -> SwaState:
+    """Release one lock on ``page``: its path, and its window unless ``swa_released``.
+
+    pre: not check(state)
+    post: not check(__return__)
+    raises: PreconditionError
+    """
+    _require_page(state, page)
+    require(isinstance(swa_released, bool), "swa_released", "must be a bool")
+    if page is None:
+        return state
+    require(state.pages[page].lock > 0, "page", "is not locked")
+    if not swa_released:
+        require(all(state.pages[k].swa_lock > 0 for k in window(state, page)), "page",
+                "its window holds no SWA lock")
+    return _shift(state, page, -1, 0 if swa_released else -1)

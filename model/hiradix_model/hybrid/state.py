@@ -1,0 +1,100 @@
+"""The state of a (FULL, SWA) hybrid cache (spec/13, 13.2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from hiradix_model.hybrid.config import SwaConfig
+from hiradix_model.keys import Key, content_at, parent_page
+
+
+@dataclass(frozen=True)
+class SwaPage:
+    """One cached page: its full slots, its SWA slots (None: a tombstone), its locks."""
+
+    full: tuple[int, ...]
+    swa: tuple[int, ...] | None
+    lock: int = 0  # path locks held on this page or a page below it
+    swa_lock: int = 0  # locks whose window covers this page
+
+    @property
+    def live(self) -> bool:
+        return self.swa is not None
+
+
+@dataclass(frozen=True)
+class SwaState:
+    """The whole abstract hybrid cache. Treat every field as immutable."""
+
+    config: SwaConfig
+    pages: Mapping[Key, SwaPage]
+    full_free: frozenset[int]
+    swa_free: frozenset[int]
+    held: Mapping[int, int | None]  # caller-held pairs: full slot -> its SWA half or None
+    full_kv: Mapping[int, Key]  # whose KV each full slot holds (absent: garbage)
+    swa_kv: Mapping[int, Key]
+
+
+def initial(config: SwaConfig) -> SwaState:
+    """The empty cache: every slot of both pools free, nothing cached or held."""
+    return SwaState(
+        config=config,
+        pages={},
+        full_free=frozenset(range(config.full_slots)),
+        swa_free=frozenset(range(config.swa_slots)),
+        held={},
+        full_kv={},
+        swa_kv={},
+    )
+
+
+def expected_kv(page: Key, offset: int, page_size: int) -> Key:
+    """The KV identity that slot ``offset`` of ``page`` must hold (in either pool)."""
+    return content_at(page, len(page.tokens) - page_size + offset)
+
+
+def root_path(state: SwaState, page: Key) -> list[Key]:
+    """``page`` and its ancestors, deepest first."""
+    path: list[Key] = []
+    cursor: Key | None = page
+    while cursor is not None:
+        path.append(cursor)
+        cursor = parent_page(cursor, state.config.page_size)
+    return path
+
+
+def window(state: SwaState, page: Key) -> list[Key]:
+    """The pages covering the last W tokens of ``page``'s path, deepest first (13.2)."""
+    return root_path(state, page)[: state.config.window_pages]
+
+
+def window_live(state: SwaState, page: Key) -> bool:
+    """Whether every page of ``page``'s window is cached and live."""
+    return all(k in state.pages and state.pages[k].live for k in window(state, page))
+
+
+def has_child(state: SwaState, page: Key) -> bool:
+    ps = state.config.page_size
+    return any(parent_page(k, ps) == page for k in state.pages)
+
+
+def full_leaves(state: SwaState) -> set[Key]:
+    """Unlocked cached pages with no cached child: what a full eviction may delete."""
+    parents = {parent_page(k, state.config.page_size) for k in state.pages}
+    return {k for k, p in state.pages.items() if p.lock == 0 and k not in parents}
+
+
+def swa_candidates(state: SwaState) -> set[Key]:
+    """Live pages with no SWA lock: what an SWA eviction may take."""
+    return {k for k, p in state.pages.items() if p.live and p.swa_lock == 0}
+
+
+def owned_full(state: SwaState) -> Iterator[int]:
+    for page in state.pages.values():
+        yield from page.full
+
+
+def owned_swa(state: SwaState) -> Iterator[int]:
+    for page in state.pages.values():
+        yield from page.swa or ()

@@ -1,0 +1,72 @@
+"""One corruption per hybrid invariant (spec/13, 13.5), applied to ``healthy()``.
+
+``healthy()`` is a small reachable (FULL, SWA) state: a 12-token path whose first 8
+tokens are tombstones, a live 4-token window locked by a running request, and a held
+pair. Each corruption breaks exactly what its ID forbids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from hiradix_model import Key
+from hiradix_model import hybrid as H
+
+CONFIG = H.SwaConfig(page_size=1, full_slots=16, swa_slots=8, window=4)
+PATH = Key(tuple(range(1, 13)))
+
+
+def healthy() -> H.SwaState:
+    s = H.initial(CONFIG)
+    s = H.alloc(s, PATH, 0, tuple(range(8)), tuple(range(8)))
+    s = H.free_swa(s, tuple(range(8)))
+    s = H.alloc(s, PATH, 8, (8, 9, 10, 11), (0, 1, 2, 3))
+    s, _ = H.insert(s, PATH, tuple(range(12)), 8)
+    s = H.inc_lock_ref(s, PATH)
+    return H.alloc(s, Key((7,)), 0, (12,), (4,))
+
+
+def _page(s: H.SwaState, key: Key, **changes: object) -> H.SwaState:
+    return replace(s, pages={**s.pages, key: replace(s.pages[key], **changes)})  # type: ignore[arg-type]
+
+
+def _deep(n: int) -> Key:
+    return Key(PATH.tokens[:n])
+
+
+def orphan(s: H.SwaState) -> H.SwaState:
+    pages = {k: p for k, p in s.pages.items() if k != _deep(1)}
+    return replace(s, pages=pages, full_free=s.full_free | set(s.pages[_deep(1)].full))
+
+
+def swa_without_full(s: H.SwaState) -> H.SwaState:
+    return _page(s, _deep(12), full=())
+
+
+def full_slot_twice(s: H.SwaState) -> H.SwaState:
+    return _page(s, _deep(3), full=s.pages[_deep(2)].full)
+
+
+def swa_leak(s: H.SwaState) -> H.SwaState:
+    # A tombstoning that forgot to free the SWA slots it dropped.
+    return _page(s, _deep(12), swa=None, swa_lock=0)
+
+
+def wrong_kv(s: H.SwaState) -> H.SwaState:
+    return replace(s, swa_kv={**s.swa_kv, 3: Key((9,))})
+
+
+def tombstone_in_window(s: H.SwaState) -> H.SwaState:
+    swa = s.pages[_deep(11)].swa or ()
+    return replace(_page(s, _deep(11), swa=None), swa_free=s.swa_free | set(swa))
+
+
+SWA_MUTANTS: dict[str, Callable[[H.SwaState], H.SwaState]] = {
+    "INV-SWA-TREE-WELL-FORMED": orphan,
+    "INV-SWA-ONLY-WITH-FULL": swa_without_full,
+    "INV-SWA-FULL-POOL": full_slot_twice,
+    "INV-SWA-SWA-POOL": swa_leak,
+    "INV-SWA-CONTENT": wrong_kv,
+    "INV-SWA-LOCKS": tombstone_in_window,
+}
