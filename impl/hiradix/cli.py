@@ -35,6 +35,11 @@ from hiradix.conformance.bench import add_arguments as bench_arguments
 from hiradix.conformance.bench import main as bench_main
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
+from hiradix.conformance.hybrid.campaign import REACH as HYBRID_REACH
+from hiradix.conformance.hybrid.campaign import HybridCampaign
+from hiradix.conformance.hybrid.campaign import run_campaign as run_hybrid_campaign
+from hiradix.conformance.hybrid.engines import HYBRID_ENGINES, builder
+from hiradix.conformance.hybrid.engines import probe as probe_hybrid
 from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
 from hiradix.conformance.outputs import (
     BadCommandLine,
@@ -67,6 +72,12 @@ COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance mach
 # its runs per example under --examples. A lockstep run of 60 steps takes about 0.1 s.
 RANK_SHARE = 0.1
 EXAMPLES_PER_RANK_RUN = 50
+# The share of a controlled campaign's budget the (FULL, SWA) hybrid campaign of ours
+# takes (spec/13), its examples per machine example under --examples, and the largest
+# page it draws (its requests are up to 16 tokens).
+HYBRID_SHARE = 0.15
+EXAMPLES_PER_HYBRID_EXAMPLE = 4
+HYBRID_MAX_PAGE = 4
 
 
 # Engines whose API needs a machine of its own (vLLM's request-level allocate/free;
@@ -217,7 +228,43 @@ def watched(machine: type[RuleBasedStateMachine], tally: Tally,
     return Watched
 
 
+def hybrid_page_sizes(page_sizes: Sequence[int]) -> list[int]:
+    return [p for p in page_sizes if p <= HYBRID_MAX_PAGE] or [1]
+
+
+def hybrid_failed(campaign: HybridCampaign) -> int:
+    """Print a hybrid campaign's failure (the shrunk steps and what broke); exit 1."""
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(f"FAILED: hybrid (FULL, SWA) campaign, engine {campaign.engine}\n{campaign.failure}",
+          flush=True)
+    return 1
+
+
+def run_hybrid(args: argparse.Namespace) -> int:
+    """``--engine ours-swa / sglang-swa``: the hybrid machine for the whole budget."""
+    started = time.monotonic()
+    campaign = run_hybrid_campaign(
+        args.engine, builder(args.engine), args.page_sizes, until=started + args.seconds,
+        examples=args.examples, steps=args.steps, batch=args.batch, seeded=args.seed)
+    if campaign.failure is not None:
+        return hybrid_failed(campaign)
+    if not campaign.reached["checks"]:
+        print(f"hiradix check: --seconds {args.seconds:g}: the budget ran out before one "
+              "step was checked; nothing was checked (give it more time)", file=sys.stderr)
+        return 2
+    print(f"hiradix check: {campaign.describe()} ({time.monotonic() - started:.0f} s)",
+          flush=True)
+    missed = [name for name in HYBRID_REACH if not campaign.reached[name]]
+    if args.require_coverage and missed:
+        print(f"--require-coverage: never reached: {', '.join(missed)}", flush=True)
+        return 1
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.engine in HYBRID_ENGINES:
+        return run_hybrid(args)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
                        args.device, args.storage)
     tally = Tally()
@@ -228,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
     # was cut short is replayed, without shrinking and for a bounded time, as far as it
     # got (from the database; a seeded batch generates the same examples again).
     ranks = args.engine == "controlled"
-    machine_seconds = args.seconds * (1 - RANK_SHARE) if ranks else args.seconds
+    machine_seconds = (args.seconds * (1 - RANK_SHARE - HYBRID_SHARE) if ranks
+                       else args.seconds)
     if args.examples is None:
         tally.deadline = started + machine_seconds
     # The example database pytest uses too (.hypothesis/examples under the working
@@ -297,10 +345,12 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         return 2
     campaign = None
+    hybrid: HybridCampaign | None = None
     if ranks:
         # Drawn from --seed where given, so that a seeded campaign replays.
         rng = random.Random(args.seed if args.seed is not None else random.getrandbits(64))
-        campaign = (run_rank_campaign(rng, until=started + args.seconds)
+        rank_until = started + args.seconds * (1 - HYBRID_SHARE)
+        campaign = (run_rank_campaign(rng, until=rank_until)
                     if args.examples is None else
                     run_rank_campaign(rng, runs=max(1, args.examples // EXAMPLES_PER_RANK_RUN)))
         if campaign.failed is not None:
@@ -308,13 +358,26 @@ def run(args: argparse.Namespace) -> int:
                 print(file=sys.stderr)
             print(failure_report(campaign), flush=True)
             return 1
+        hybrid = run_hybrid_campaign(
+            "ours-swa", builder("ours-swa"), hybrid_page_sizes(args.page_sizes),
+            until=started + args.seconds if args.examples is None else math.inf,
+            examples=(None if args.examples is None
+                      else max(1, args.examples // EXAMPLES_PER_HYBRID_EXAMPLE)),
+            steps=args.steps, seeded=args.seed)
+        if hybrid.failure is not None:
+            return hybrid_failed(hybrid)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary(tally, covered, len(scenarios), time.monotonic() - started, args.engine)
     print(describe(campaign) if campaign is not None else
           f"ranks: not run for engine {args.engine} ({', '.join(RANK_INVARIANTS)} "
           "not exercised)", flush=True)
+    print(hybrid.describe() if hybrid is not None else
+          f"hybrid (FULL, SWA): not run for engine {args.engine} (spec/13 not exercised; "
+          "--engine ours-swa or sglang-swa runs it)", flush=True)
     missed = unreached(tally, covered, args.engine)
+    if hybrid is not None:
+        missed += [f"hybrid {name}" for name in HYBRID_REACH if not hybrid.reached[name]]
     if tally.examples and not any(tally.exercised.values()):
         # A campaign in which no invariant had anything to check has checked nothing.
         print("hiradix check: no invariant had anything to check in any step: "
@@ -479,7 +542,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     check.add_argument("--storage", type=lambda v: v.split(","), default=list(STORAGE_NAMES),
                        help="the storage tiers of the matrix (ours only): none, memory, "
                             "file (default: all three)")
-    check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES), default="controlled",
+    check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES, *HYBRID_ENGINES),
+                       default="controlled",
                        help="controlled / cuda: ours through the full conformance machine "
                             "(copies finished in any order); the others: an engine through "
                             "its adapter and the differential suite (sglang: 0.5.20 "
@@ -488,7 +552,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "sglang-unified-storage: their storage tier (HiCacheFile); "
                             "sglang-unified-rust-hicache: the Rust core's host tier; "
                             "vllm[-offload]: vLLM's prefix cache "
-                            "[and CPU offload])")
+                            "[and CPU offload]; ours-swa, sglang-swa: a (FULL, SWA) hybrid "
+                            "cache, ours or SGLang 0.5.23's UnifiedRadixCache, through the "
+                            "hybrid machine of spec/13)")
     check.add_argument("--device", default="cpu")
     check.add_argument("--report", default=None, metavar="DIR",
                        help="write plots here: hit rate per tier over the requests served, "
@@ -637,6 +703,13 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
         if args.device == "cpu":
             args = replace_namespace(args, device="cuda")
     version = "hiradix"
+    if args.engine in HYBRID_ENGINES:
+        try:
+            version = probe_hybrid(args.engine)
+        except EngineUnavailable as missing:
+            raise UsageError(str(missing)) from None
+        return replace_namespace(args, version=version,
+                                 page_sizes=hybrid_page_sizes(args.page_sizes))
     if args.engine not in COPY_ENGINES:
         try:
             version = probe(args.engine)

@@ -1,0 +1,425 @@
+"""Adapter for SGLang 0.5.23's ``UnifiedRadixCache`` with the (FULL, SWA) components.
+
+This is the cache SGLang's server builds for a hybrid sliding-window model without
+``--enable-hierarchical-cache`` (``registry.create_unified_radix_cache``: components
+``(FULL, SWA)``, no ``init_hicache``), over the pools ``kv_cache_configurator`` builds for
+it: an ``SWAKVPool`` (a full and an SWA ``MHATokenToKVPool``) and an
+``SWATokenToKVPoolAllocator`` (a token allocator per pool at page size 1, a paged one per
+pool above, and the ``full_to_swa_index_mapping`` tensor that pairs them). The Python tree
+core is asked for by name (``CacheInitParams.tree_core_backend``) and checked after
+construction, since 0.5.23 picks the Rust core by default.
+
+It speaks ``hiradix.conformance.hybrid.engine.SwaEngine`` (spec/13). What it maps:
+
+- Slot ids are SGLang's shifted down by one page. Each allocator reserves its pool's
+  page 0 (slots ``0 .. page_size - 1``) as the padding sink, never allocatable; the model
+  numbers a pool's slots from 0, so SGLang's slot ``s`` is the model's ``s - page_size``
+  (``_out``; ``_in`` the other way) for both pools, in every call and every view.
+- The full->SWA mapping marks "no SWA half" with 0 (``clear_full_to_swa_mapping``); its
+  last entry is a -1 sentinel that ``alloc_extend`` reads for ``last_loc = -1``, not a
+  slot's entry. ``pairs`` is every other nonzero entry.
+- The KV buffers are filled with NaN when built, so that ``full_kv`` / ``swa_kv`` can leave
+  out slots nothing was ever written to; codes are stored as float32, exact below 2**24.
+- DEV-24 as in ``sglang_unified``: ``insert`` passes as ``prev_prefix_len`` the leading run
+  of the caller's slots that are the tree's own, and SGLang frees the caller's duplicates
+  past it itself; ``free`` does not free those again.
+- ``free`` frees a pair whose SWA half is gone with ``free_full_segment`` and the others
+  with ``free_segment``, as the scheduler's ``free_kv_row_segments`` splits a row at the
+  request's SWA eviction cursor (``free`` would free the sink slot 0 as an SWA half).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hiradix.conformance.adapters.base import EngineUnavailable, probe_engine
+from hiradix.conformance.adapters.sglang_unified import (
+    UnifiedEnv,
+    node_ending_at,
+    prepare,
+    radix_key,
+)
+from hiradix.conformance.hybrid.engine import LockGranularity, SwaPageView, SwaView
+from hiradix_model import Key
+from hiradix_model.hybrid import SwaConfig
+
+NAME = "sglang-swa"
+VERSIONS = ("0.5.23",)  # the (FULL, SWA) UnifiedRadixCache API adapted here
+SETUP = "make sglang23-env"
+DTYPE = torch.float32  # codes are small ints: exact in float32
+HEADS, HEAD_DIM = 1, 1
+FULL_LAYERS, SWA_LAYERS = [0], [1]  # one full-attention and one sliding-window layer
+EXACT = 2 ** 24  # float32 holds every integer below this exactly
+_SWA_MODULES = {
+    "swa_pool": "sglang.srt.mem_cache.swa_memory_pool",
+    "swa_alloc": "sglang.srt.mem_cache.allocator.swa",
+}
+
+
+def _modules() -> tuple[UnifiedEnv, dict[str, Any]]:
+    """The shared UnifiedRadixCache environment (CPU patches, the tree core's clock)
+    and the SWA pool and allocator modules."""
+    env = prepare()
+    return env, {k: importlib.import_module(v) for k, v in _SWA_MODULES.items()}
+
+
+def probe(engine: str = NAME) -> str:
+    """The installed SGLang version if this adapter can drive it; ``EngineUnavailable``
+    (missing, wrong version, or an API this adapter does not know) otherwise."""
+    def load() -> None:
+        env, swa = _modules()
+        uni = env.modules["uni"].UnifiedRadixCache
+        for name in ("match_prefix", "insert", "lock", "release_swa", "dec_lock_ref",
+                     "evict", "sanity_check", "swa_evictable_size", "swa_protected_size"):
+            if not callable(getattr(uni, name, None)):
+                raise AttributeError(f"UnifiedRadixCache has no {name}")
+        allocator = swa["swa_alloc"].SWATokenToKVPoolAllocator
+        for name in ("alloc", "alloc_extend", "free_segment", "free_full_segment",
+                     "free_swa_segment"):
+            if not callable(getattr(allocator, name, None)):
+                raise AttributeError(f"SWATokenToKVPoolAllocator has no {name}")
+        if not hasattr(swa["swa_pool"], "SWAKVPool"):
+            raise AttributeError("sglang.srt.mem_cache.swa_memory_pool has no SWAKVPool")
+        if "tree_core_backend" not in env.modules["params"].CacheInitParams.__dataclass_fields__:
+            raise AttributeError("CacheInitParams has no tree_core_backend")
+    return probe_engine(engine, "sglang", VERSIONS, "UnifiedRadixCache with an SWA component",
+                        SETUP, load)
+
+
+def _buffers(pool: Any) -> list[torch.Tensor]:
+    """Every K and V buffer of an ``MHATokenToKVPool``, layer by layer."""
+    return [*pool.k_buffer, *pool.v_buffer]
+
+
+def _free_slots(allocator: Any) -> frozenset[int]:
+    """The slots a token or paged sub-allocator could hand out, staged frees included."""
+    if allocator.page_size == 1:
+        ids = allocator.free_pages.tolist() + allocator.release_pages.tolist()
+        return frozenset(ids)
+    ps = allocator.page_size
+    return frozenset(p * ps + i for p in allocator.get_all_free_pages().tolist()
+                     for i in range(ps))
+
+
+def _codes(buffer: torch.Tensor, slots: range) -> dict[int, int]:
+    """slot -> code in layer-0 K for the written slots (NaN: never written)."""
+    values = buffer[slots.start:slots.stop, 0, 0].tolist()
+    return {slot: int(v) for slot, v in zip(slots, values, strict=True) if not math.isnan(v)}
+
+
+@dataclass
+class _Node:
+    """One tree node as ``observe`` reads it."""
+
+    prefix: tuple[int, ...]  # the tokens before this node on its root path
+    node: Any
+
+
+class SglangSwaAdapter:
+    """One (FULL, SWA) ``UnifiedRadixCache``, device tier only, Python tree core.
+
+    ``lock_granularity`` is ``"node"``: SGLang's SWA lock walks up from the locked node
+    adding whole node lengths until the window is covered (spec/13 DEV-H1)."""
+
+    name = NAME
+    lock_granularity: LockGranularity = "node"
+
+    def __init__(self, config: SwaConfig) -> None:
+        self.version = probe()
+        self.config = config
+        self.env, swa = _modules()
+        self.m = self.env.modules
+        self.env.clock.now = 0  # not the previous cache's last tick
+        ps = self.ps = config.page_size
+        self.kv = swa["swa_pool"].SWAKVPool(
+            size=config.full_slots, size_swa=config.swa_slots, page_size=ps, dtype=DTYPE,
+            head_num=HEADS, head_dim=HEAD_DIM, swa_attention_layer_ids=SWA_LAYERS,
+            full_attention_layer_ids=FULL_LAYERS, device="cpu", enable_memory_saver=False)
+        for buffer in _buffers(self.kv.full_kv_pool) + _buffers(self.kv.swa_kv_pool):
+            buffer.fill_(float("nan"))  # "never written" (module docstring)
+        self.allocator = swa["swa_alloc"].SWATokenToKVPoolAllocator(
+            config.full_slots, config.swa_slots, ps, DTYPE, "cpu", self.kv, False)
+        types = self.m["components"].ComponentType
+        self.full_ct, self.swa_ct = types.FULL, types.SWA
+        params = self.m["params"].CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
+            page_size=ps, eviction_policy="lru", tp_cache_group=self.env.group,
+            tree_components=(self.full_ct, self.swa_ct), sliding_window_size=config.window,
+            tree_core_backend="python")
+        self.cache = self.m["uni"].UnifiedRadixCache(params)
+        self.tree = self.cache.tree_core
+        if type(self.tree) is not self.m["core"].UnifiedTreeCore:
+            raise EngineUnavailable(f"{NAME}: asked for the Python tree core, got "
+                                    f"{type(self.tree).__name__} ({SETUP})")
+        # Allocatable slot ids: page 0 of each pool is SGLang's padding sink.
+        self.full_ids = range(ps, config.full_slots + ps)
+        self.swa_ids = range(ps, config.swa_slots + ps)
+        self.held: dict[int, bool] = {}  # caller-held full slot -> has its SWA half
+        self.freed_by_tree: set[int] = set()  # DEV-24: duplicates the last insert freed
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        """One logical tick per operation: the shared clock numbers at most 2**20 stamps
+        per tick (``UnifiedClock``), and stamps stay increasing across ticks."""
+        self.env.clock.now += 1
+
+    def _out(self, slots: Iterable[int]) -> tuple[int, ...]:
+        """SGLang's slot ids as the model's (past the padding page)."""
+        return tuple(s - self.ps for s in slots)
+
+    def _in(self, slots: Sequence[int]) -> list[int]:
+        """The model's slot ids as SGLang's."""
+        return [s + self.ps for s in slots]
+
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(slots), dtype=torch.int64)
+
+    def _pages(self, slots: Sequence[int]) -> list[list[int]]:
+        """``slots`` cut into pages, each the ``page_size`` slots of one pool page in
+        order: SGLang's segment frees read one representative per page."""
+        ps = self.ps
+        if len(slots) % ps:
+            raise ValueError(f"{NAME}: {len(slots)} slots are not whole pages of {ps}")
+        pages = [list(slots[i:i + ps]) for i in range(0, len(slots), ps)]
+        for page in pages:
+            if page != list(range(page[0], page[0] + ps)) or page[0] % ps:
+                raise ValueError(f"{NAME}: {page} is not one page of {ps} slots")
+        return pages
+
+    def _mapping(self) -> torch.Tensor:
+        """The full->SWA mapping without its trailing -1 sentinel."""
+        mapping: torch.Tensor = self.allocator.full_to_swa_index_mapping
+        return mapping[:-1]
+
+    def _nodes(self) -> Iterator[_Node]:
+        """Every node but the root, parents first."""
+        root = self.tree.root_node
+        stack = [_Node((), child) for child in root.children.values()]
+        while stack:
+            here = stack.pop()
+            yield here
+            below = here.prefix + tuple(here.node.key.token_ids)
+            stack.extend(_Node(below, child) for child in here.node.children.values())
+
+    def _page_of(self, node: Any) -> Key | None:
+        """The page that ends where ``node`` ends (None: the root)."""
+        parts: list[tuple[int, ...]] = []
+        while node is not self.tree.root_node:
+            parts.append(tuple(node.key.token_ids))
+            node = node.parent
+        tokens = tuple(t for part in reversed(parts) for t in part)
+        return Key(tokens, None) if tokens else None
+
+    def _cached_full(self, key: Key) -> list[int]:
+        """The tree's full slots along ``key``, page by page, as far as it is cached
+        (read only: no stamp, no split)."""
+        node, done, slots = self.tree.root_node, 0, list[int]()
+        while done < len(key.tokens):
+            for child in node.children.values():
+                tokens = tuple(child.key.token_ids)
+                if tokens[:self.ps] == key.tokens[done:done + self.ps]:
+                    break
+            else:
+                break
+            common = 0
+            while (common < len(tokens) and done + common < len(key.tokens)
+                   and tokens[common] == key.tokens[done + common]):
+                common += 1
+            common -= common % self.ps
+            slots.extend(child.component_data[self.full_ct].value[:common].tolist())
+            if common < len(tokens):
+                break
+            node, done = child, done + common
+        return slots
+
+    def _tree_full(self) -> set[int]:
+        return {s for n in self._nodes()
+                for s in n.node.component_data[self.full_ct].value.tolist()}
+
+    # -- the operations -----------------------------------------------------------------
+
+    def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
+        self._tick()
+        if num_tokens == 0:
+            return ()
+        if num_tokens % self.ps:
+            raise ValueError(f"{NAME}: alloc({num_tokens}) is not whole pages of {self.ps}")
+        if self.ps == 1:
+            # The scheduler's alloc_token_slots (allocation.py); page size 1 only.
+            got = self.allocator.alloc(num_tokens)
+        else:
+            # SWATokenToKVPoolAllocator.alloc asserts page size 1; the scheduler's
+            # paged path is alloc_extend for a request with no prefix (last_loc -1).
+            zero, n = torch.tensor([0]), torch.tensor([num_tokens])
+            got = self.allocator.alloc_extend(zero, zero, n, n, torch.tensor([-1]), num_tokens)
+        if got is None:
+            return None
+        slots = tuple(int(s) for s in got.tolist())
+        self.held.update(dict.fromkeys(slots, True))
+        return self._out(slots)
+
+    def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
+        full_slots = self._in(full_slots)
+        if len(full_slots) != len(codes):
+            raise ValueError(f"{NAME}: {len(full_slots)} slots, {len(codes)} codes")
+        if any(not 0 <= c < EXACT for c in codes):
+            raise ValueError(f"{NAME}: codes must lie in [0, 2**24) to be exact in float32")
+        index = self._index(full_slots)
+        values = torch.tensor(list(codes), dtype=DTYPE).view(-1, HEADS, HEAD_DIM)
+        for buffer in _buffers(self.kv.full_kv_pool):
+            buffer[index] = values
+        swa = self._mapping()[index]
+        live = swa > 0  # 0: the pair has no SWA half
+        for buffer in _buffers(self.kv.swa_kv_pool):
+            buffer[swa[live]] = values[live]
+
+    def free_swa(self, full_slots: Sequence[int]) -> None:
+        self._tick()
+        full_slots = self._in(full_slots)
+        # The scheduler's free_swa_out_of_window_slots frees a row segment this way.
+        for page in self._pages(full_slots):
+            self.allocator.free_swa_segment(self._index(page), start_pos=0)
+            self.held.update(dict.fromkeys(page, False))
+
+    def free(self, full_slots: Sequence[int]) -> None:
+        self._tick()
+        full_slots = self._in(full_slots)
+        rest = [s for s in full_slots if s not in self.freed_by_tree]
+        self.freed_by_tree.difference_update(full_slots)
+        mapping = self._mapping()
+        for page in self._pages(rest):
+            index = self._index(page)
+            if int(mapping[page[0]]) > 0:
+                self.allocator.free_segment(index, start_pos=0)
+            else:
+                self.allocator.free_full_segment(index, start_pos=0)
+            for slot in page:
+                self.held.pop(slot, None)
+
+    def match_prefix(self, key: Key) -> tuple[tuple[int, ...], Key | None]:
+        self._tick()
+        got = self.cache.match_prefix(self.m["base"].MatchPrefixParams(
+            key=radix_key(self.env, key)))
+        slots = self.tree.collect_full_device_indices(got.last_device_node,
+                                                      self.tree.root_node.id)
+        return (self._out(int(s) for s in slots.tolist()),
+                self._page_of(self.tree.node_by_id(got.last_device_node)))
+
+    def insert(self, key: Key, full_slots: Sequence[int], swa_evicted: int) -> int:
+        self._tick()
+        full_slots = self._in(full_slots)
+        cached = self._cached_full(key)
+        prev = 0  # DEV-24: the caller's leading run of the tree's own slots
+        while prev < len(cached) and full_slots[prev] == cached[prev]:
+            prev += 1
+        free_before = _free_slots(self.allocator.full_attn_allocator)
+        params = self.m["base"].InsertParams(
+            key=radix_key(self.env, key), value=self._index(full_slots), prev_prefix_len=prev,
+            component_evicted_seqlens={self.swa_ct: swa_evicted})
+        result = self.cache.insert(params)
+        freed = _free_slots(self.allocator.full_attn_allocator) - free_before
+        self.freed_by_tree = set(full_slots[prev:]) & freed
+        taken = self._tree_full()
+        for slot in full_slots:
+            if slot in taken or slot in self.freed_by_tree:
+                self.held.pop(slot, None)
+        return int(result.prefix_len)
+
+    def lock(self, page: Key | None) -> object:
+        self._tick()
+        node = node_ending_at(self.tree.root_node, page)
+        if node is None and page is not None:
+            # The server locks the node its match ended at; a match splits there.
+            self.cache.match_prefix(self.m["base"].MatchPrefixParams(
+                key=radix_key(self.env, page)))
+            node = node_ending_at(self.tree.root_node, page)
+        if node is None:
+            raise KeyError(f"{NAME}: {page} is not cached")
+        # TreeLock: the anchor node's id and the receipt (DecLockRefParams).
+        return self.cache.lock(node.id)
+
+    def release_swa(self, receipt: object) -> None:
+        self._tick()
+        # UnifiedRadixCache.release_swa: dec_swa_lock_only, then its frees applied.
+        self.cache.release_swa(receipt)
+
+    def unlock(self, receipt: object, swa_released: bool) -> None:
+        self._tick()
+        if not isinstance(receipt, self.m["base"].TreeLock):
+            raise TypeError(f"{NAME}: a receipt is a TreeLock from lock(), got {receipt!r}")
+        self.cache.dec_lock_ref(receipt.node, receipt.receipt, skip_swa=swa_released)
+
+    def evict_full(self, num_tokens: int) -> int:
+        self._tick()
+        got = self.cache.evict(self.m["base"].EvictParams(num_tokens=num_tokens))
+        return int(got.num_tokens_evicted)
+
+    def evict_swa(self, num_tokens: int) -> int:
+        self._tick()
+        got = self.cache.evict(self.m["base"].EvictParams(swa_num_tokens=num_tokens))
+        return int(got.swa_num_tokens_evicted)
+
+    def observe(self) -> SwaView:
+        pages: dict[Key, SwaPageView] = {}
+        for here in self._nodes():
+            full_cd = here.node.component_data[self.full_ct]
+            swa_cd = here.node.component_data[self.swa_ct]
+            tokens = tuple(here.node.key.token_ids)
+            if len(tokens) % self.ps:
+                raise AssertionError(f"{NAME}: node {here.node.id} is not whole pages")
+            full = full_cd.value.tolist()
+            swa = None if swa_cd.value is None else swa_cd.value.tolist()
+            for start in range(0, len(tokens), self.ps):
+                cut = slice(start, start + self.ps)
+                key = Key(here.prefix + tokens[:start + self.ps], None)
+                pages[key] = SwaPageView(
+                    full=self._out(full[cut]), swa=None if swa is None else self._out(swa[cut]),
+                    lock=int(full_cd.lock_ref), swa_lock=int(swa_cd.lock_ref))
+        mapping = self._mapping().tolist()
+        ps = self.ps
+        pairs = {slot - ps: int(swa) - ps for slot, swa in enumerate(mapping) if swa != 0}
+        full_kv = _codes(self.kv.full_kv_pool.k_buffer[0], self.full_ids)
+        swa_kv = _codes(self.kv.swa_kv_pool.k_buffer[0], self.swa_ids)
+        return SwaView(
+            pages=pages,
+            full_free=frozenset(self._out(_free_slots(self.allocator.full_attn_allocator))),
+            swa_free=frozenset(self._out(_free_slots(self.allocator.swa_attn_allocator))),
+            pairs=pairs,
+            full_kv={slot - ps: code for slot, code in full_kv.items()},
+            swa_kv={slot - ps: code for slot, code in swa_kv.items()},
+            own_check=self._own_check())
+
+    def _own_check(self) -> str | None:
+        """SGLang's ``sanity_check`` (tree, leaf sets, LRUs, size counters), then the
+        scheduler's pool balance (``invariant_checker._check_pool_invariant``) per pool:
+        available + evictable + protected + held by callers = capacity."""
+        try:
+            self.cache.sanity_check()
+        except AssertionError as failed:
+            return f"sanity_check: {failed}"
+        held_swa = sum(self.held.values())
+        for pool, available, evictable, protected, held, capacity in [
+            ("full", self.allocator.full_available_size(), self.cache.full_evictable_size(),
+             self.cache.full_protected_size(), len(self.held), self.config.full_slots),
+            ("swa", self.allocator.swa_available_size(), self.cache.swa_evictable_size(),
+             self.cache.swa_protected_size(), held_swa, self.config.swa_slots),
+        ]:
+            if available + evictable + protected + held != capacity:
+                return (f"{pool} pool balance: available {available} + evictable {evictable} "
+                        f"+ protected {protected} + held {held} != {capacity}")
+        return None
+
+    def close(self) -> None:
+        self.cache.shutdown()
+
+
+def build(config: SwaConfig) -> SglangSwaAdapter:
+    """An ``SglangSwaAdapter`` for ``config``."""
+    return SglangSwaAdapter(config)

@@ -1,0 +1,1 @@
+"""Checking (FULL, SWA) hybrid caches against the model of spec/13."""

@@ -1,0 +1,102 @@
+"""The protocol a (FULL, SWA) hybrid cache speaks to the hybrid machine (spec/13).
+
+A hybrid cache keeps, per cached page, full-attention KV in a full pool and, while the
+page is inside some path's sliding window, a second copy in an SWA pool; a page whose SWA
+copy was dropped is a tombstone. Callers allocate a full slot and an SWA slot per token
+(a *pair*), may drop the SWA half of a pair once decode has moved past the window, and
+hand pairs to ``insert``. An adapter drives one engine's cache in these terms and reads
+it back as an ``SwaView``; ``hiradix.conformance.hybrid.abstraction`` turns the view into
+the model's ``SwaState`` (spec/13, 13.8) and the machine compares them after every step.
+
+Slot ids are the engine's own; full slots name pairs (an engine's full->SWA mapping is
+what ``SwaView.pairs`` reports, every entry it holds, live or stale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from hiradix_model import Key
+from hiradix_model.hybrid import SwaConfig
+
+LockGranularity = Literal["page", "node"]
+
+
+@dataclass(frozen=True)
+class SwaPageView:
+    """One cached page as the engine holds it."""
+
+    full: tuple[int, ...]  # its full-pool slots, one per token
+    swa: tuple[int, ...] | None  # its SWA-pool slots; None: a tombstone
+    lock: int  # full locks on this page (a path lock counts on every page of the path)
+    swa_lock: int  # SWA locks on this page
+
+
+@dataclass(frozen=True)
+class SwaView:
+    """Everything of the engine's cache the abstraction reads (spec/13, 13.8)."""
+
+    pages: Mapping[Key, SwaPageView]
+    full_free: frozenset[int]  # full slots an allocation could hand out
+    swa_free: frozenset[int]  # SWA slots an allocation could hand out
+    pairs: Mapping[int, int]  # the engine's full->SWA mapping: every entry it holds
+    full_kv: Mapping[int, int]  # full slot -> the code last written into it
+    swa_kv: Mapping[int, int]  # SWA slot -> the code last written into it
+    own_check: str | None  # the engine's own consistency check: None if it passed, else why
+
+
+class SwaEngine(Protocol):
+    """One (FULL, SWA) cache under test. Receipts are opaque to the machine."""
+
+    name: str
+    version: str
+    config: SwaConfig
+    lock_granularity: LockGranularity  # "node": an SWA lock covers whole radix nodes
+
+    def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
+        """Full slots of ``num_tokens`` fresh pairs (whole pages), or None if out of room."""
+
+    def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
+        """Write ``codes[i]`` as the KV of pair ``full_slots[i]`` into both halves
+        (the SWA half only while the pair has one)."""
+
+    def free_swa(self, full_slots: Sequence[int]) -> None:
+        """Drop the SWA half of these caller-held pairs (decode moved past the window)."""
+
+    def free(self, full_slots: Sequence[int]) -> None:
+        """Return caller-held pairs (both halves, or the full half if the SWA one is gone)."""
+
+    def match_prefix(self, key: Key) -> tuple[tuple[int, ...], Key | None]:
+        """The matched full slots and the deepest matched page (None: the root)."""
+
+    def insert(self, key: Key, full_slots: Sequence[int], swa_evicted: int) -> int:
+        """Cache ``key`` from these pairs; the first ``swa_evicted`` tokens' pairs have
+        no SWA half. Returns the tokens already cached (their pairs stay the caller's)."""
+
+    def lock(self, page: Key | None) -> object:
+        """Lock the path of ``page`` (full) and its window (SWA); a receipt."""
+
+    def release_swa(self, receipt: object) -> None:
+        """Release only the SWA part of the lock behind ``receipt``."""
+
+    def unlock(self, receipt: object, swa_released: bool) -> None:
+        """Release the lock behind ``receipt`` (its SWA part too unless released)."""
+
+    def evict_full(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` full tokens by evicting leaves; the number freed."""
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` SWA tokens; the number of SWA slots freed."""
+
+    def observe(self) -> SwaView:
+        """The engine's state now."""
+
+    def close(self) -> None:
+        """Release what the engine holds."""
+
+
+def codes_of(view: SwaView, full_slots: Sequence[int]) -> list[int | None]:
+    """The codes in these full slots (None: never written), for messages."""
+    return [view.full_kv.get(s) for s in full_slots]

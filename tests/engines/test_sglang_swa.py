@@ -1,0 +1,283 @@
+"""SGLang 0.5.23's (FULL, SWA) UnifiedRadixCache through ``adapters.sglang_swa`` (spec/13).
+
+Runs under ``.venv-sglang23`` (``make sglang23-env``), e.g.
+``.venv-sglang23/bin/python -m pytest -q tests/engines/test_sglang_swa.py``. Skipped where
+SGLang is not installed or is another version; an SGLang 0.5.23 the adapter cannot drive
+fails (as ``engine_env.require`` treats the other engines).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from hiradix.conformance.adapters.base import EngineUnavailable
+from hiradix.conformance.adapters.sglang_swa import SglangSwaAdapter, build, probe
+from hiradix.conformance.hybrid.campaign import hybrid_configs
+from hiradix.conformance.hybrid.engine import SwaView
+from hiradix.conformance.hybrid.machine import make_swa_machine
+from hiradix_model import Key
+from hiradix_model.hybrid import SwaConfig
+
+ENGINE = "sglang-swa"
+KEY = Key(tuple(range(1, 13)), None)  # 12 tokens
+
+
+@pytest.fixture(autouse=True)
+def sglang_installed() -> str:
+    """Skip without SGLang 0.5.23; fail where it is installed but does not probe."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed here (make sglang23-env)")
+    required = set(filter(None, os.environ.get("HIRADIX_REQUIRE_ENGINES", "").split(",")))
+    try:
+        return probe()
+    except EngineUnavailable as unavailable:
+        if ENGINE in required or unavailable.kind == "api":
+            pytest.fail(str(unavailable), pytrace=False)
+        pytest.skip(str(unavailable))
+
+
+Make = Callable[[SwaConfig], SglangSwaAdapter]
+
+
+@pytest.fixture
+def make() -> Iterator[Make]:
+    """``build``; every cache a test builds is closed after it."""
+    built: list[SglangSwaAdapter] = []
+
+    def tracked(config: SwaConfig) -> SglangSwaAdapter:
+        built.append(build(config))
+        return built[-1]
+
+    yield tracked
+    for adapter in built:
+        adapter.close()
+
+
+def checked(view: SwaView) -> SwaView:
+    assert view.own_check is None, view.own_check
+    return view
+
+
+def by_length(view: SwaView) -> dict[int, tuple[tuple[int, ...], tuple[int, ...] | None]]:
+    return {len(k.tokens): (p.full, p.swa) for k, p in view.pages.items()}
+
+
+def alloc(adapter: SglangSwaAdapter, num_tokens: int) -> tuple[int, ...]:
+    slots = adapter.alloc(num_tokens)
+    assert slots is not None
+    return slots
+
+
+def put(adapter: SglangSwaAdapter, key: Key, swa_evicted: int) -> tuple[int, ...]:
+    """A request's life up to its insert: alloc, forward pass (codes = positions), free
+    of the SWA halves that fell out of the window, insert. Its pairs."""
+    slots = alloc(adapter, len(key.tokens))
+    adapter.write_kv(slots, list(range(len(slots))))
+    if swa_evicted:
+        adapter.free_swa(slots[:swa_evicted])
+    assert adapter.insert(key, slots, swa_evicted) == 0
+    return slots
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_pages_before_swa_evicted_are_tombstones_and_the_key_matches_whole(
+        make: Make, ps: int) -> None:
+    adapter = make(SwaConfig(page_size=ps, full_slots=32, swa_slots=16, window=4))
+    slots = put(adapter, KEY, swa_evicted=8)
+    view = checked(adapter.observe())
+    pages = by_length(view)
+    assert sorted(pages) == list(range(ps, 13, ps))
+    assert all(pages[end][1] is None for end in pages if end <= 8)  # tombstones
+    for end in (e for e in pages if e > 8):
+        full, swa = pages[end]
+        assert full == slots[end - ps:end] and swa is not None
+        assert [view.swa_kv[s] for s in swa] == [view.full_kv[f] for f in full]
+    assert set(view.pairs) == set(slots[8:])  # 0 marks "no SWA half"; no stale entries
+    assert view.full_kv == {s: i for i, s in enumerate(slots)}
+    assert adapter.match_prefix(KEY) == (slots, KEY)
+
+
+def test_a_key_whose_window_ends_in_tombstones_matches_shorter(make: Make) -> None:
+    """Live (1..4), tombstones (5..8), live (9, 10): the window of (1..10) is 2 live
+    tokens, so the match stops at (1..4), whose path from the root is all live."""
+    adapter = make(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4))
+    head = put(adapter, Key(KEY.tokens[:4], None), swa_evicted=0)
+    matched, page = adapter.match_prefix(Key(KEY.tokens[:4], None))
+    assert matched == head
+    fresh = alloc(adapter, 6)
+    adapter.write_kv(fresh, [4, 5, 6, 7, 8, 9])
+    adapter.free_swa(fresh[:4])
+    key = Key(KEY.tokens[:10], None)
+    assert adapter.insert(key, head + fresh, swa_evicted=8) == 4
+    swa = {end: s for end, (_, s) in by_length(checked(adapter.observe())).items()}
+    assert [end for end, s in sorted(swa.items()) if s is None] == [5, 6, 7, 8]
+    assert adapter.match_prefix(key) == (head, Key(KEY.tokens[:4], None))
+    assert adapter.match_prefix(Key(KEY.tokens[:8], None)) == (head, page)
+
+
+def test_evict_swa_tombstones_an_internal_node_and_keeps_its_full_kv(make: Make) -> None:
+    """SGLang caps a fresh leaf at one window ((1..8) -> (9..12)); SWA eviction takes
+    the internal node (1..8) whole: tombstones, full slots kept, the match unchanged."""
+    adapter = make(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4))
+    slots = put(adapter, KEY, swa_evicted=0)
+    swa_free = checked(adapter.observe()).swa_free
+    assert adapter.evict_swa(1) == 8  # the whole node (lock granularity "node")
+    view = checked(adapter.observe())
+    pages = by_length(view)
+    assert [end for end, (_, s) in sorted(pages.items()) if s is None] == list(range(1, 9))
+    assert tuple(f for end in sorted(pages) for f in pages[end][0]) == slots
+    assert len(view.swa_free - swa_free) == 8 and set(view.pairs) == set(slots[8:])
+    assert adapter.match_prefix(KEY) == (slots, KEY)
+
+
+def test_lock_release_swa_unlock_round_trips_to_no_locks(make: Make) -> None:
+    adapter = make(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4))
+    put(adapter, KEY, swa_evicted=0)
+    _, page = adapter.match_prefix(KEY)
+    receipt = adapter.lock(page)
+    locks = {len(k.tokens): (p.lock, p.swa_lock)
+             for k, p in checked(adapter.observe()).pages.items()}
+    # The full lock covers the path; the SWA lock the last node, (9..12) = the window.
+    assert locks == {end: (1, int(end > 8)) for end in range(1, 13)}
+    assert adapter.evict_swa(16) == 8  # only the unlocked node (1..8)
+    adapter.release_swa(receipt)
+    locks = {len(k.tokens): (p.lock, p.swa_lock)
+             for k, p in checked(adapter.observe()).pages.items()}
+    assert locks == {end: (1, 0) for end in range(1, 13)}
+    adapter.unlock(receipt, swa_released=True)
+    view = checked(adapter.observe())
+    assert {(p.lock, p.swa_lock) for p in view.pages.values()} == {(0, 0)}
+    assert adapter.evict_full(12) == 12
+    assert not checked(adapter.observe()).pages
+
+
+def test_a_healing_insert_takes_the_new_pairs_and_frees_the_old_full_slots(
+        make: Make) -> None:
+    """An insert over tombstones with swa_evicted = 0 gives them the caller's pairs and
+    frees their old full slots; the duplicates of live pages SGLang frees itself (DEV-24),
+    and the caller's free of them is not repeated."""
+    adapter = make(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4))
+    old = put(adapter, KEY, swa_evicted=8)
+    new = alloc(adapter, 12)
+    adapter.write_kv(new, list(range(12)))
+    assert adapter.insert(KEY, new, 0) == 12
+    view = adapter.observe()
+    pages = by_length(view)
+    assert tuple(pages[end][0][0] for end in range(1, 13)) == new[:8] + old[8:]
+    assert all(pages[end][1] is not None for end in pages)
+    assert set(old[:8]) <= view.full_free and not set(new[8:]) & set(view.pairs)
+    adapter.free(new[8:])  # the caller frees what the insert did not take
+    view = checked(adapter.observe())
+    assert set(new[8:]) <= view.full_free and set(old[:8]) <= view.full_free
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_alloc_returns_none_when_either_pool_is_exhausted(make: Make, ps: int) -> None:
+    adapter = make(SwaConfig(page_size=ps, full_slots=16, swa_slots=8, window=4))
+    assert adapter.alloc(8 + ps) is None  # more than the SWA pool
+    got: list[int] = []
+    while (pages := adapter.alloc(ps)) is not None:
+        got.extend(pages)
+    assert len(got) == 8  # the SWA pool ran out first
+    view = checked(adapter.observe())
+    assert not view.swa_free and len(view.full_free) == 8 and set(view.pairs) == set(got)
+    adapter.free_swa(got[:ps])  # a pair without its SWA half still holds a full slot
+    more = alloc(adapter, ps)
+    assert len(checked(adapter.observe()).full_free) == 8 - ps
+    adapter.free([*got, *more])
+    view = checked(adapter.observe())
+    assert len(view.full_free) == 16 and len(view.swa_free) == 8 and not view.pairs
+
+
+def test_a_tombstone_a_deletion_uncovers_stays_as_a_full_leaf(make: Make) -> None:
+    """Device tier only, ``_iteratively_delete_tombstone_ancestors`` keys on the Full
+    value: the tombstone node (1..8) that deleting the leaf (9..12) leaves childless
+    keeps its full KV as a leaf; nothing past the target is deleted (spec/13 13.3)."""
+    adapter = make(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4))
+    slots = put(adapter, KEY, swa_evicted=8)
+    assert adapter.evict_full(1) == 4
+    pages = by_length(checked(adapter.observe()))
+    assert pages == {end: ((slots[end - 1],), None) for end in range(1, 9)}
+    assert adapter.match_prefix(KEY) == ((), None)
+    assert adapter.evict_full(1) == 8  # then the tombstone leaf, as one node
+
+
+# -- the hybrid machine, and bugs planted in SGLang ----------------------------------------
+
+
+def bounded(examples: int) -> settings:
+    return settings(max_examples=examples, stateful_step_count=30, deadline=None,
+                    database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("config", hybrid_configs([1, 2, 4]), ids=str)
+def test_sglang_refines_the_model(config: SwaConfig) -> None:
+    reached: Counter[str] = Counter()
+    run_state_machine_as_test(make_swa_machine(build, config, reached), settings=bounded(15))
+    assert reached["checks"] > reached["examples"]
+
+
+def swa_component() -> Any:
+    return importlib.import_module("sglang.srt.mem_cache.unified_cache.components.swa")
+
+
+def leak_on_tombstone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tombstoning drops the SWA slots without freeing them (the shape of PR #27586's
+    SWA pool leak): the evicted value never reaches the pool."""
+    swa = swa_component()
+    original = swa.SWAComponent.evict_component
+
+    def evict_component(self: Any, node: Any, device_frees: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+        return original(self, node, defaultdict(list), *args, **kwargs)
+
+    monkeypatch.setattr(swa.SWAComponent, "evict_component", evict_component)
+
+
+def heal_ignoring_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Healing a full-locked tombstone replaces (and frees) its full slots."""
+    swa = swa_component()
+    original = swa.SWAComponent._recover_from_incoming
+
+    def recover(self: Any, *, node: Any, **kwargs: Any) -> Any:
+        full = node.component_data[swa.BASE_COMPONENT_TYPE]
+        saved, full.lock_ref = full.lock_ref, 0
+        try:
+            return original(self, node=node, **kwargs)
+        finally:
+            full.lock_ref = saved
+
+    monkeypatch.setattr(swa.SWAComponent, "_recover_from_incoming", recover)
+
+
+def window_ignored_by_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SWA match validator accepts every node: a match may end in a dead window."""
+    swa = swa_component()
+    monkeypatch.setattr(swa.SWAComponent, "create_match_validator",
+                        lambda self, match_device_only=False: (lambda node: True))
+
+
+PLANTED: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
+    "leak on tombstone": (leak_on_tombstone, "still maps to SWA slot|swa pool balance"),
+    "heal ignoring the lock": (heal_ignoring_the_lock, "which a running request reads"),
+    "window ignored by match": (window_ignored_by_match, "whose window is not live"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_a_bug_planted_in_sglang_fails_the_machine(name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    plant, expected = PLANTED[name]
+    plant(monkeypatch)
+    config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
+    with pytest.raises(Exception, match=expected):
+        run_state_machine_as_test(make_swa_machine(build, config), settings=bounded(300))
