@@ -268,7 +268,6 @@ def window_ignored_by_match(monkeypatch: pytest.MonkeyPatch) -> None:
 
 PLANTED: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
     "leak on tombstone": (leak_on_tombstone, "still maps to SWA slot|swa pool balance"),
-    "heal ignoring the lock": (heal_ignoring_the_lock, "which a running request reads"),
     "window ignored by match": (window_ignored_by_match, "whose window is not live"),
 }
 
@@ -281,3 +280,28 @@ def test_a_bug_planted_in_sglang_fails_the_machine(name: str,
     config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
     with pytest.raises(Exception, match=expected):
         run_state_machine_as_test(make_swa_machine(build, config), settings=bounded(300))
+
+
+def heal_a_locked_tombstone(reached: Counter[str] | None = None) -> None:
+    """The machine's steps that heal tombstones a running request holds (as in
+    tests/impl/test_swa_machine.py)."""
+    config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
+    state = make_swa_machine(build, config, reached)()
+    try:
+        state.run_request((1, 1, 1, 1), past=2, keep=True)
+        state.run_request((1, 1), past=0, keep=False)
+    finally:
+        state.teardown()
+
+
+def test_healing_a_locked_tombstone_keeps_its_full_slots() -> None:
+    reached: Counter[str] = Counter()
+    heal_a_locked_tombstone(reached)
+    assert reached["healed_keeping_full"] == 2
+
+
+def test_healing_that_frees_a_locked_pages_full_slots_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    heal_ignoring_the_lock(monkeypatch)
+    with pytest.raises(Exception, match="which a running request reads"):
+        heal_a_locked_tombstone()
