@@ -20,7 +20,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.adapters.base import EngineUnavailable
-from hiradix.conformance.adapters.sglang_swa import SglangSwaAdapter, build, probe
+from hiradix.conformance.adapters.sglang_swa import (
+    WRITE_POLICIES,
+    SglangSwaAdapter,
+    WritePolicy,
+    build,
+    build_hicache,
+    probe,
+)
 from hiradix.conformance.hybrid.campaign import hybrid_configs
 from hiradix.conformance.hybrid.engine import SwaView
 from hiradix.conformance.hybrid.machine import make_swa_machine
@@ -46,6 +53,23 @@ def sglang_installed() -> str:
 
 
 Make = Callable[[SwaConfig], SglangSwaAdapter]
+
+
+MakeHi = Callable[[SwaConfig, WritePolicy], SglangSwaAdapter]
+
+
+@pytest.fixture
+def make_hi() -> Iterator[MakeHi]:
+    """``SglangSwaAdapter(config, hicache=policy)``, closed after the test."""
+    built: list[SglangSwaAdapter] = []
+
+    def tracked(config: SwaConfig, policy: WritePolicy) -> SglangSwaAdapter:
+        built.append(build_hicache(policy)(config))
+        return built[-1]
+
+    yield tracked
+    for adapter in built:
+        adapter.close()
 
 
 @pytest.fixture
@@ -305,3 +329,99 @@ def test_healing_that_frees_a_locked_pages_full_slots_fails(
     heal_ignoring_the_lock(monkeypatch)
     with pytest.raises(Exception, match="which a running request reads"):
         heal_a_locked_tombstone()
+
+
+# -- with HiCache: the host tier under each write policy, the device tier observed ---------
+
+
+def host_only(adapter: SglangSwaAdapter) -> list[tuple[int, ...]]:
+    """The keys of the nodes whose full KV is on the host only (backed up, evicted)."""
+    found, stack = [], [((), c) for c in adapter.tree.root_node.children.values()]
+    while stack:
+        prefix, node = stack.pop()
+        here = prefix + tuple(node.key.token_ids)
+        data = node.component_data[adapter.full_ct]
+        if data.value is None and data.host_value is not None:
+            found.append(here)
+        stack.extend((here, c) for c in node.children.values())
+    return sorted(found)
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_an_evicted_backed_up_page_is_gone_from_the_device_view(
+        make_hi: MakeHi, policy: WritePolicy) -> None:
+    """Write-through backs the key up at insert (selective: at its second hit), write_back
+    at eviction; either way the eviction leaves the nodes host-only, which the device
+    view does not show, and a match finds nothing on the device."""
+    adapter = make_hi(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4), policy)
+    slots = put(adapter, KEY, swa_evicted=0)
+    if policy == "write_through_selective":
+        assert adapter.insert(KEY, slots, 0) == 12  # the second hit backs it up
+    assert set(by_length(checked(adapter.observe()))) == set(range(1, 13))
+    assert adapter.evict_full(12) == 12
+    view = checked(adapter.observe())
+    assert not view.pages and set(slots) <= view.full_free and not view.pairs
+    assert host_only(adapter) and max(map(len, host_only(adapter))) == 12
+    assert adapter.match_prefix(KEY) == ((), None)
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_an_insert_over_host_only_nodes_creates_pages_from_the_callers_pairs(
+        make_hi: MakeHi, policy: WritePolicy) -> None:
+    """SGLang re-adopts the caller's slots for host-only nodes and counts them in its
+    prefix_len; on the device tier nothing was cached: prefix 0, the caller's pairs
+    become the pages (the first 4 tokens tombstones, as swa_evicted says)."""
+    adapter = make_hi(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4), policy)
+    old = put(adapter, KEY, swa_evicted=0)
+    if policy == "write_through_selective":
+        adapter.insert(KEY, old, 0)
+    adapter.evict_full(12)
+    assert host_only(adapter)
+    new = put(adapter, KEY, swa_evicted=4)  # asserts the insert's prefix is 0
+    view = checked(adapter.observe())
+    pages = by_length(view)
+    assert tuple(pages[end][0][0] for end in range(1, 13)) == new
+    assert [end for end, (_, swa) in sorted(pages.items()) if swa is None] == [1, 2, 3, 4]
+    assert adapter.match_prefix(KEY) == (new, KEY)
+
+
+def test_the_host_check_finds_host_slots_nobody_frees(
+        make_hi: MakeHi, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host pool whose frees are lost (PR #27586's leak, on the host tier): slots
+    neither free nor held by any node's host value."""
+    adapter = make_hi(SwaConfig(page_size=1, full_slots=16, swa_slots=8, window=2),
+                      "write_through")
+    put(adapter, Key((1, 2, 3, 4), None), swa_evicted=0)
+    checked(adapter.observe())
+    host = type(adapter.cache.full_kv_pool_host)
+    monkeypatch.setattr(host, "free", lambda self, indices: len(indices))
+    # Host eviction drops host copies; with the pool's free lost, their slots leak.
+    adapter.evict_full(4)
+    adapter.cache.evict_host(4)
+    problem = adapter.observe().own_check
+    assert problem is not None and "neither free nor held" in problem
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+@pytest.mark.parametrize("config", [SwaConfig(page_size=ps, full_slots=10 * ps,
+                                              swa_slots=5 * ps, window=ps + 1)
+                                    for ps in (1, 4)], ids=str)
+def test_sglang_with_hicache_refines_the_model(config: SwaConfig, policy: WritePolicy) -> None:
+    reached: Counter[str] = Counter()
+    hicache = build_hicache(policy)
+
+    def build_counting(config: SwaConfig) -> SglangSwaAdapter:
+        """The adapter, counting the views in which some node was host-only: the
+        examples must reach the states the device view leaves out."""
+        adapter = hicache(config)
+        observe = adapter.observe
+
+        def counted() -> SwaView:
+            reached["host-only"] += bool(host_only(adapter))
+            return observe()
+        adapter.observe = counted  # type: ignore[method-assign]
+        return adapter
+
+    run_state_machine_as_test(make_swa_machine(build_counting, config, reached),
+                              settings=bounded(15))
+    assert reached["checks"] > reached["examples"] and reached["host-only"]

@@ -175,7 +175,7 @@ class _Node:
     host: tuple[int, ...] | None = None  # host slots (a backed-up node; host tier only)
 
 
-def _stdout_of(call: Callable[[], None]) -> str:
+def stdout_of(call: Callable[[], None]) -> str:
     """What ``call`` writes to file descriptor 1 (Rust's stdout)."""
     sys.stdout.flush()
     with tempfile.TemporaryFile(mode="w+b") as sink:
@@ -289,7 +289,7 @@ class SglangRustAdapter:
     def _locks(self) -> dict[int, int]:
         """Lock refs per node handle, from the core's debug print."""
         locks = {}
-        for line in _stdout_of(self.core.pretty_print).splitlines():
+        for line in stdout_of(self.core.pretty_print).splitlines():
             found = _LOCK_LINE.match(line)
             if found:
                 locks[int(found.group(1))] = int(found.group(3))

@@ -26,15 +26,36 @@ It speaks ``hiradix.conformance.hybrid.engine.SwaEngine`` (spec/13). What it map
 - ``free`` frees a pair whose SWA half is gone with ``free_full_segment`` and the others
   with ``free_segment``, as the scheduler's ``free_kv_row_segments`` splits a row at the
   request's SWA eviction cursor (``free`` would free the sink slot 0 as an SWA half).
+
+With ``hicache=<write policy>`` the same cache gets SGLang's host tier as
+``--enable-hierarchical-cache`` gives it (``init_hicache``: ``_SwaStrategy`` builds a KV and
+an SWA host pool and a ``HybridCacheController``), on CPU through ``sglang_unified``'s
+patches. The model stays device-tier only (spec/13):
+
+- The view is the device state: a node without a device full value (host-only, backed up
+  and evicted) is no page; a page's SWA copy is its device SWA value. A device eviction
+  that leaves a node host-only is, seen from the device, a deletion; an insert over a
+  host-only node (SGLang re-adopts the caller's slots, ``_unevict_node_on_insert``) is a
+  page created from the caller's pairs.
+- Backups complete asynchronously: after every call that reaches the tree the adapter
+  polls the controller as the scheduler does once per step (``check_hicache_events``:
+  flush queued backups, ``writing_check``, ``loading_check``) until no copy is in flight,
+  so the lock a write-through holds on its node is gone when the machine looks.
+- ``match_prefix`` returns the device part of SGLang's match (``last_device_node``); the
+  machine never loads back, so a host hit is only read, never acted on.
+- The host tier is checked by SGLang's own means only (``own_check``): ``sanity_check``
+  (which covers host leaves, host LRUs and in-flight copies once HiCache is on) and, per
+  host pool, that the slots the tree's host values name and the pool's free list
+  partition the pool and agree with its ``slot_used`` flags.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -60,6 +81,16 @@ _SWA_MODULES = {
     "swa_pool": "sglang.srt.mem_cache.swa_memory_pool",
     "swa_alloc": "sglang.srt.mem_cache.allocator.swa",
 }
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+WRITE_POLICIES: tuple[WritePolicy, ...] = ("write_through", "write_through_selective",
+                                           "write_back")
+# Host pools of about the device pools' size (SGLang adds a page): host eviction, the
+# duplicate reclaim and write_back's drop without backup all happen in short runs.
+HICACHE_RATIO = 1.0
+# Polls of check_hicache_events before a copy still in flight is reported: on CPU a copy
+# is done by the first poll after it was issued; a second covers a backup that an ack
+# itself queues.
+SETTLE_POLLS = 4
 
 
 def _modules() -> tuple[UnifiedEnv, dict[str, Any]]:
@@ -90,6 +121,22 @@ def probe(engine: str = NAME) -> str:
             raise AttributeError("CacheInitParams has no tree_core_backend")
     return probe_engine(engine, "sglang", VERSIONS, "UnifiedRadixCache with an SWA component",
                         SETUP, load)
+
+
+def probe_hicache(engine: str = f"{NAME}-hicache") -> str:
+    """As ``probe``, and the HiCache entry points the ``hicache`` option drives."""
+    version = probe(engine)
+
+    def load() -> None:
+        env, _ = _modules()
+        uni = env.modules["uni"].UnifiedRadixCache
+        for name in ("init_hicache", "check_hicache_events", "shutdown"):
+            if not callable(getattr(uni, name, None)):
+                raise AttributeError(f"UnifiedRadixCache has no {name}")
+        importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
+    probe_engine(engine, "sglang", VERSIONS, "UnifiedRadixCache with HiCache and an SWA "
+                 "component", SETUP, load)
+    return version
 
 
 def _buffers(pool: Any) -> list[torch.Tensor]:
@@ -125,13 +172,24 @@ class SglangSwaAdapter:
     """One (FULL, SWA) ``UnifiedRadixCache``, device tier only, Python tree core.
 
     ``lock_granularity`` is ``"node"``: SGLang's SWA lock walks up from the locked node
-    adding whole node lengths until the window is covered (spec/13 DEV-H1)."""
+    adding whole node lengths until the window is covered (spec/13 DEV-H1).
+
+    ``hicache``: None for the device-only cache the server builds without
+    ``--enable-hierarchical-cache``; a write policy for the cache with SGLang's host tier
+    under that policy (module docstring), still observed on the device tier only."""
 
     name = NAME
     lock_granularity: LockGranularity = "node"
 
-    def __init__(self, config: SwaConfig) -> None:
-        self.version = probe()
+    def __init__(self, config: SwaConfig, hicache: WritePolicy | None = None) -> None:
+        if hicache is not None and hicache not in WRITE_POLICIES:
+            raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {hicache!r}")
+        self.hicache = hicache
+        if hicache is None:
+            self.version = probe()
+        else:
+            self.name = f"{NAME}-hicache-{hicache}"
+            self.version = probe_hicache(self.name)
         self.config = config
         self.env, swa = _modules()
         self.m = self.env.modules
@@ -152,7 +210,22 @@ class SglangSwaAdapter:
             page_size=ps, eviction_policy="lru", tp_cache_group=self.env.group,
             tree_components=(self.full_ct, self.swa_ct), sliding_window_size=config.window,
             tree_core_backend="python")
+        if hicache is not None:
+            # What the server publishes before building its caches: HiCache on, host
+            # pools sized off the device pools, direct copies (the CPU stand-ins of
+            # ``patch_for_cpu``), the layout whose transfers those stand-ins cover.
+            args = self.m["args"].ServerArgs(
+                model_path="dummy", device="cpu", page_size=ps, enable_hierarchical_cache=True,
+                hicache_ratio=HICACHE_RATIO, hicache_size=0, hicache_mem_layout="layer_first",
+                hicache_write_policy=hicache, hicache_io_backend="direct",
+                hicache_storage_backend=None, radix_eviction_policy="lru")
+            self.m["context"].publish(args, role="test")
         self.cache = self.m["uni"].UnifiedRadixCache(params)
+        if hicache is not None:
+            self.cache.init_hicache(args, params)
+            if self.cache.cache_controller.write_policy != hicache:
+                raise EngineUnavailable(f"{self.name}: asked for {hicache}, the controller "
+                                        f"runs {self.cache.cache_controller.write_policy}")
         self.tree = self.cache.tree_core
         if type(self.tree) is not self.m["core"].UnifiedTreeCore:
             raise EngineUnavailable(f"{NAME}: asked for the Python tree core, got "
@@ -169,6 +242,21 @@ class SglangSwaAdapter:
         """One logical tick per operation: the shared clock numbers at most 2**20 stamps
         per tick (``UnifiedClock``), and stamps stay increasing across ticks."""
         self.env.clock.now += 1
+
+    def _settle(self) -> None:
+        """With HiCache: poll the controller as the scheduler does after each step until
+        no copy is in flight. A write-through holds a full lock on its node until its ack
+        (``_track_write_through_node``), which the device-tier model does not have."""
+        if self.hicache is None:
+            return
+        for _ in range(SETTLE_POLLS):
+            self.cache.check_hicache_events()
+            if not self.cache.ongoing_write_through and not self.cache.ongoing_load_back:
+                return
+        raise AssertionError(
+            f"{self.name}: copies still in flight after {SETTLE_POLLS} polls: write "
+            f"{sorted(self.cache.ongoing_write_through)}, load "
+            f"{sorted(self.cache.ongoing_load_back)}")
 
     def _out(self, slots: Iterable[int]) -> tuple[int, ...]:
         """SGLang's slot ids as the model's (past the padding page)."""
@@ -218,8 +306,10 @@ class SglangSwaAdapter:
         return Key(tokens, None) if tokens else None
 
     def _cached_full(self, key: Key) -> list[int]:
-        """The tree's full slots along ``key``, page by page, as far as it is cached
-        (read only: no stamp, no split)."""
+        """The tree's device full slots along ``key``, page by page, as far as it is
+        cached on the device (read only: no stamp, no split). A host-only node ends it:
+        below it nothing is on the device (``sanity_check``: "device present but parent
+        evicted")."""
         node, done, slots = self.tree.root_node, 0, list[int]()
         while done < len(key.tokens):
             for child in node.children.values():
@@ -228,20 +318,24 @@ class SglangSwaAdapter:
                     break
             else:
                 break
+            value = child.component_data[self.full_ct].value
+            if value is None:
+                break
             common = 0
             while (common < len(tokens) and done + common < len(key.tokens)
                    and tokens[common] == key.tokens[done + common]):
                 common += 1
             common -= common % self.ps
-            slots.extend(child.component_data[self.full_ct].value[:common].tolist())
+            slots.extend(value[:common].tolist())
             if common < len(tokens):
                 break
             node, done = child, done + common
         return slots
 
     def _tree_full(self) -> set[int]:
-        return {s for n in self._nodes()
-                for s in n.node.component_data[self.full_ct].value.tolist()}
+        """The device full slots the tree holds (host-only nodes hold none)."""
+        values = (n.node.component_data[self.full_ct].value for n in self._nodes())
+        return {s for value in values if value is not None for s in value.tolist()}
 
     # -- the operations -----------------------------------------------------------------
 
@@ -307,8 +401,11 @@ class SglangSwaAdapter:
         self._tick()
         got = self.cache.match_prefix(self.m["base"].MatchPrefixParams(
             key=radix_key(self.env, key)))
+        # With HiCache the match also walks host-only nodes (a host hit, for a load back
+        # the machine never asks for); last_device_node is where the device part ends.
         slots = self.tree.collect_full_device_indices(got.last_device_node,
                                                       self.tree.root_node.id)
+        self._settle()
         return (self._out(int(s) for s in slots.tolist()),
                 self._page_of(self.tree.node_by_id(got.last_device_node)))
 
@@ -322,7 +419,7 @@ class SglangSwaAdapter:
         free_before = _free_slots(self.allocator.full_attn_allocator)
         params = self.m["base"].InsertParams(
             key=radix_key(self.env, key), value=self._index(full_slots), prev_prefix_len=prev,
-            component_evicted_seqlens={self.swa_ct: swa_evicted})
+            component_evicted_seqlens={self.swa_ct: swa_evicted}, track_adopted_ranges=True)
         result = self.cache.insert(params)
         freed = _free_slots(self.allocator.full_attn_allocator) - free_before
         self.freed_by_tree = set(full_slots[prev:]) & freed
@@ -330,7 +427,24 @@ class SglangSwaAdapter:
         for slot in full_slots:
             if slot in taken or slot in self.freed_by_tree:
                 self.held.pop(slot, None)
-        return int(result.prefix_len)
+        self._settle()  # the backups this insert queued (write_through, selective)
+        # SGLang's prefix_len counts every node the walk passed, host-only ones too: it
+        # gave those the caller's slots (``_unevict_node_on_insert``) and recorded them
+        # as adopted FULL ranges. On the device tier they were not cached: the spec's
+        # prefix is the device part, which ends where the device path along the key
+        # ended before the call (a host-only node has no device node below it). A
+        # healing insert adopts ranges too (``_recover_from_incoming``), inside it.
+        prefix = int(result.prefix_len)
+        device = min(prefix, len(cached))
+        # An insert shorter than a page returns before its walk, with no ranges at all
+        # (``begin_insert``: ``len(key) == 0``); it adopted nothing.
+        ranges = {} if result.adopted_ranges is None else result.adopted_ranges
+        adopted = {t for start, end in ranges.get(self.full_ct, []) for t in range(start, end)}
+        if not set(range(device, prefix)) <= adopted:
+            raise AssertionError(
+                f"{self.name}: insert counted tokens {device}..{prefix} as cached, but "
+                f"they were on no device node and SGLang adopted only {sorted(adopted)}")
+        return device
 
     def lock(self, page: Key | None) -> object:
         self._tick()
@@ -343,37 +457,52 @@ class SglangSwaAdapter:
         if node is None:
             raise KeyError(f"{NAME}: {page} is not cached")
         # TreeLock: the anchor node's id and the receipt (DecLockRefParams).
-        return self.cache.lock(node.id)
+        receipt = self.cache.lock(node.id)
+        self._settle()
+        return receipt
 
     def release_swa(self, receipt: object) -> None:
         self._tick()
         # UnifiedRadixCache.release_swa: dec_swa_lock_only, then its frees applied.
         self.cache.release_swa(receipt)
+        self._settle()
 
     def unlock(self, receipt: object, swa_released: bool) -> None:
         self._tick()
         if not isinstance(receipt, self.m["base"].TreeLock):
             raise TypeError(f"{NAME}: a receipt is a TreeLock from lock(), got {receipt!r}")
         self.cache.dec_lock_ref(receipt.node, receipt.receipt, skip_swa=swa_released)
+        self._settle()
 
     def evict_full(self, num_tokens: int) -> int:
         self._tick()
         got = self.cache.evict(self.m["base"].EvictParams(num_tokens=num_tokens))
+        self._settle()
         return int(got.num_tokens_evicted)
 
     def evict_swa(self, num_tokens: int) -> int:
         self._tick()
         got = self.cache.evict(self.m["base"].EvictParams(swa_num_tokens=num_tokens))
+        self._settle()
         return int(got.swa_num_tokens_evicted)
 
     def observe(self) -> SwaView:
         pages: dict[Key, SwaPageView] = {}
+        stray: list[str] = []  # device SWA values of nodes with no device full value
         for here in self._nodes():
             full_cd = here.node.component_data[self.full_ct]
             swa_cd = here.node.component_data[self.swa_ct]
             tokens = tuple(here.node.key.token_ids)
             if len(tokens) % self.ps:
-                raise AssertionError(f"{NAME}: node {here.node.id} is not whole pages")
+                raise AssertionError(f"{self.name}: node {here.node.id} is not whole pages")
+            if full_cd.value is None:
+                # Host-only (HiCache): no device page. An SWA device value left on it
+                # has no page to be reported under: it goes to the own check.
+                if swa_cd.value is not None:
+                    stray.append(f"node {here.node.id} keeps device SWA slots "
+                                 f"{self._out(swa_cd.value.tolist())} without a device full "
+                                 "value")
+                continue
             full = full_cd.value.tolist()
             swa = None if swa_cd.value is None else swa_cd.value.tolist()
             for start in range(0, len(tokens), self.ps):
@@ -394,16 +523,18 @@ class SglangSwaAdapter:
             pairs=pairs,
             full_kv={slot - ps: code for slot, code in full_kv.items()},
             swa_kv={slot - ps: code for slot, code in swa_kv.items()},
-            own_check=self._own_check())
+            own_check="; ".join([*stray, *self._own_check()]) or None)
 
-    def _own_check(self) -> str | None:
-        """SGLang's ``sanity_check`` (tree, leaf sets, LRUs, size counters), then the
-        scheduler's pool balance (``invariant_checker._check_pool_invariant``) per pool:
-        available + evictable + protected + held by callers = capacity."""
+    def _own_check(self) -> list[str]:
+        """SGLang's ``sanity_check`` (tree, leaf sets, LRUs, size counters; with HiCache
+        also host leaves, host LRUs and copies in flight), then the scheduler's pool
+        balance (``invariant_checker._check_pool_invariant``) per device pool: available
+        + evictable + protected + held by callers = capacity; with HiCache the host pools
+        (``_host_problems``). The first failure only, as the checks build on each other."""
         try:
             self.cache.sanity_check()
         except AssertionError as failed:
-            return f"sanity_check: {failed}"
+            return [f"sanity_check: {failed}"]
         held_swa = sum(self.held.values())
         for pool, available, evictable, protected, held, capacity in [
             ("full", self.allocator.full_available_size(), self.cache.full_evictable_size(),
@@ -412,9 +543,47 @@ class SglangSwaAdapter:
              self.cache.swa_protected_size(), held_swa, self.config.swa_slots),
         ]:
             if available + evictable + protected + held != capacity:
-                return (f"{pool} pool balance: available {available} + evictable {evictable} "
-                        f"+ protected {protected} + held {held} != {capacity}")
-        return None
+                return [f"{pool} pool balance: available {available} + evictable {evictable} "
+                        f"+ protected {protected} + held {held} != {capacity}"]
+        return self._host_problems() if self.hicache is not None else []
+
+    def _host_problems(self) -> list[str]:
+        """Per host pool (FULL: the KV pool, SWA: the SWA pool): the host values of the
+        tree's nodes and the pool's free list (``free_slots`` and the frees staged in
+        ``release_slots``) partition its slots, and its ``slot_used`` flags mark exactly
+        the owned ones. SGLang keeps no host evictable / protected counters to balance
+        (``sanity_check`` PART 4 counts device values only); a slot owned twice or both
+        owned and free, or one neither owned nor free (a leak), is what this finds."""
+        problems: list[str] = []
+        for ct, pool in [(self.full_ct, self.cache.full_kv_pool_host),
+                         (self.swa_ct, self.cache.swa_kv_pool_host)]:
+            owned: dict[int, int] = {}  # host slot -> the node whose host value holds it
+            for here in self._nodes():
+                value = here.node.component_data[ct].host_value
+                for slot in [] if value is None else value.tolist():
+                    if slot in owned:
+                        problems.append(f"{ct.name} host slot {slot} held by nodes "
+                                        f"{owned[slot]} and {here.node.id}")
+                    owned[slot] = here.node.id
+            free = pool.free_slots.tolist() + [s for part in pool.release_slots
+                                               for s in part.tolist()]
+            if len(free) != len(set(free)):
+                problems.append(f"{ct.name} host free list holds a slot twice")
+            if pool.available_size() != len(free):
+                problems.append(f"{ct.name} host available_size {pool.available_size()} != "
+                                f"{len(free)} free slots")
+            both = set(free) & owned.keys()
+            lost = set(range(pool.logical_size)) - set(free) - owned.keys()
+            if both:
+                problems.append(f"{ct.name} host slots both free and held: {sorted(both)}")
+            if lost:
+                problems.append(f"{ct.name} host slots neither free nor held: {sorted(lost)}")
+            used = set(torch.nonzero(pool.slot_used).flatten().tolist())
+            if used != owned.keys():
+                problems.append(f"{ct.name} host slot_used differs from the held slots: "
+                                f"only flagged {sorted(used - owned.keys())}, only held "
+                                f"{sorted(owned.keys() - used)}")
+        return problems
 
     def close(self) -> None:
         self.cache.shutdown()
@@ -423,3 +592,19 @@ class SglangSwaAdapter:
 def build(config: SwaConfig) -> SglangSwaAdapter:
     """An ``SglangSwaAdapter`` for ``config``."""
     return SglangSwaAdapter(config)
+
+
+def build_hicache(policy: WritePolicy) -> Callable[[SwaConfig], SglangSwaAdapter]:
+    """The builder of ``SglangSwaAdapter``s with HiCache under ``policy``."""
+    if policy not in WRITE_POLICIES:
+        raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {policy!r}")
+
+    def build_with(config: SwaConfig) -> SglangSwaAdapter:
+        return SglangSwaAdapter(config, hicache=policy)
+    return build_with
+
+
+# One builder per write policy, for a registry that names a module attribute.
+build_write_through = build_hicache("write_through")
+build_write_through_selective = build_hicache("write_through_selective")
+build_write_back = build_hicache("write_back")

@@ -1,7 +1,9 @@
-"""The (FULL, SWA) caches the hybrid machine drives: name -> the adapter module.
+"""The (FULL, SWA) caches the hybrid machine drives: name -> (module, builder, probe).
 
-Each module offers ``probe() -> str`` (the installed version, or ``EngineUnavailable``
-with one line naming the setup command) and ``build(config) -> SwaEngine``.
+Each module's probe returns the installed version, or raises ``EngineUnavailable`` with
+one line naming the setup command; its builder makes a fresh ``SwaEngine`` per
+configuration. SGLang's cache with HiCache is one engine per write policy, so that a
+replayed example always meets the same policy.
 """
 
 from __future__ import annotations
@@ -10,19 +12,25 @@ import importlib
 
 from hiradix.conformance.hybrid.machine import Build
 
-HYBRID_ENGINES = {
-    "ours-swa": "hiradix.conformance.adapters.ours_swa",
-    "sglang-swa": "hiradix.conformance.adapters.sglang_swa",
+_SGLANG = "hiradix.conformance.adapters.sglang_swa"
+HYBRID_ENGINES: dict[str, tuple[str, str, str]] = {
+    "ours-swa": ("hiradix.conformance.adapters.ours_swa", "build", "probe"),
+    "sglang-swa": (_SGLANG, "build", "probe"),
+    "sglang-swa-rust": ("hiradix.conformance.adapters.sglang_swa_rust", "build", "probe"),
+    **{f"sglang-swa-hicache-{policy}": (_SGLANG, f"build_{policy}", "probe_hicache")
+       for policy in ("write_through", "write_through_selective", "write_back")},
 }
 
 
 def probe(engine: str) -> str:
     """The installed version of ``engine``; ``EngineUnavailable`` if it cannot run here."""
-    version: str = importlib.import_module(HYBRID_ENGINES[engine]).probe()
+    module, _, probe_name = HYBRID_ENGINES[engine]
+    version: str = getattr(importlib.import_module(module), probe_name)()
     return version
 
 
 def builder(engine: str) -> Build:
     """The constructor of fresh adapters of ``engine``, one per configuration."""
-    build: Build = importlib.import_module(HYBRID_ENGINES[engine]).build
+    module, build_name, _ = HYBRID_ENGINES[engine]
+    build: Build = getattr(importlib.import_module(module), build_name)
     return build
