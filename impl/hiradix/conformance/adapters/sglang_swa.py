@@ -181,7 +181,8 @@ class SglangSwaAdapter:
     name = NAME
     lock_granularity: LockGranularity = "node"
 
-    def __init__(self, config: SwaConfig, hicache: WritePolicy | None = None) -> None:
+    def __init__(self, config: SwaConfig, hicache: WritePolicy | None = None,
+                 req_rows: int = 0, max_context_len: int = 0) -> None:
         if hicache is not None and hicache not in WRITE_POLICIES:
             raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {hicache!r}")
         self.hicache = hicache
@@ -205,8 +206,14 @@ class SglangSwaAdapter:
             config.full_slots, config.swa_slots, ps, DTYPE, "cpu", self.kv, False)
         types = self.m["components"].ComponentType
         self.full_ct, self.swa_ct = types.FULL, types.SWA
+        # ``req_rows``: a ReqToTokenPool of that many rows, for the request-level calls
+        # (``checkpoint``, ``slide_window``, ``release``) that read a request's row.
+        self.rows = None if req_rows == 0 else self.m["pool"].ReqToTokenPool(
+            size=req_rows, max_context_len=max_context_len, device="cpu",
+            enable_memory_saver=False)
         params = self.m["params"].CacheInitParams(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator,
+            disable=False, req_to_token_pool=self.rows,
+            token_to_kv_pool_allocator=self.allocator,
             page_size=ps, eviction_policy="lru", tp_cache_group=self.env.group,
             tree_components=(self.full_ct, self.swa_ct), sliding_window_size=config.window,
             tree_core_backend="python")
@@ -485,6 +492,127 @@ class SglangSwaAdapter:
         got = self.cache.evict(self.m["base"].EvictParams(swa_num_tokens=num_tokens))
         self._settle()
         return int(got.swa_num_tokens_evicted)
+
+    # -- request-level calls (chunked prefill, decode, finish) ----------------------------
+    # The server does not call ``insert`` for a request: it publishes the request's row
+    # with ``checkpoint`` (common.py ``checkpoint_kv_cache`` per chunk,
+    # ``release_kv_cache`` at the end), which also frees out-of-window SWA halves, caps
+    # the key at the SWA branching point, rewrites the row and moves the request's lock.
+    # ``req`` is a Req (or a stand-in with the fields ``checkpoint_into_tree`` reads)
+    # bound to a row of ``rows``; the caller allocates its slots with ``alloc`` and
+    # writes them into the row.
+
+    def _resync_held(self) -> None:
+        """After a request-level call: slots the tree took or freed leave ``held``, and
+        a held pair whose SWA half the call freed is marked so (the call frees both
+        inside SGLang, where the adapter cannot hook)."""
+        free = _free_slots(self.allocator.full_attn_allocator)
+        taken = self._tree_full()
+        mapping = self._mapping()
+        for slot in list(self.held):
+            if slot in taken or slot in free:
+                del self.held[slot]
+            else:
+                self.held[slot] = int(mapping[slot]) > 0
+
+    def admit(self, req: Any, prompt: Key) -> tuple[int, ...]:
+        """A new request's admission (``PrefillAdder``: ``match_prefix``, then the
+        request locks the node its device match ended at): sets the fields
+        ``checkpoint_into_tree`` reads from the match, takes a row of ``rows`` and writes
+        the matched slots into it. The matched full slots, as the model numbers them."""
+        if self.rows is None:
+            raise ValueError(f"{NAME}: admit needs an adapter built with req_rows")
+        self._tick()
+        got = self.cache.match_prefix(self.m["base"].MatchPrefixParams(
+            key=radix_key(self.env, prompt)))
+        slots = self.tree.collect_full_device_indices(got.last_device_node,
+                                                      self.tree.root_node.id)
+        req.kv.req_pool_idx = self.rows.alloc_rows(1)[0]
+        req.kv.cache_protected_len = len(slots)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = len(slots)
+        req.swa_branching_seqlen = got.swa_branching_seqlen
+        req.last_node = got.last_device_node
+        req.lock = self.cache.lock(got.last_device_node)
+        self.rows.write((req.kv.req_pool_idx, slice(0, len(slots))), slots)
+        self._settle()
+        return self._out(int(s) for s in slots.tolist())
+
+    def write_row(self, req: Any, start: int, full_slots: Sequence[int]) -> None:
+        """Put ``full_slots`` (model numbering, from ``alloc``) in the request's row from
+        position ``start`` on, as the scheduler's ``alloc_for_extend`` / decode do."""
+        if self.rows is None:
+            raise ValueError(f"{NAME}: write_row needs an adapter built with req_rows")
+        self.rows.write((req.kv.req_pool_idx, slice(start, start + len(full_slots))),
+                        torch.tensor(self._in(full_slots), dtype=torch.int32))
+
+    def row(self, req: Any, end: int) -> tuple[int, ...]:
+        """The request's row up to ``end``, as the model numbers slots."""
+        if self.rows is None:
+            raise ValueError(f"{NAME}: row needs an adapter built with req_rows")
+        return self._out(int(s) for s in
+                         self.rows.req_to_token[req.kv.req_pool_idx, :end].tolist())
+
+    def locked_page(self, req: Any) -> Key | None:
+        """The page the request's lock is anchored on (None: the root)."""
+        return self._page_of(self.tree.node_by_id(req.lock.node))
+
+    def locked_path(self, req: Any) -> tuple[int, ...]:
+        """The tree's device full slots from the root to the request's locked node."""
+        slots = self.tree.collect_full_device_indices(req.lock.node, self.tree.root_node.id)
+        return self._out(int(s) for s in slots.tolist())
+
+    def checkpoint(self, req: Any, up_to: int) -> list[tuple[int, int]]:
+        """``UnifiedRadixCache.checkpoint(req, up_to=up_to)``, as the scheduler calls it.
+        Returns ``(key length, swa_evicted)`` of each insert the call made.
+
+        The insert's ``swa_evicted`` is the request's SWA cursor after the call's own
+        out-of-window free, which ``checkpoint_into_tree`` reads into its InsertParams and
+        reports nowhere; the cursor is not a record of it (a release clears the row), so
+        the insert is observed in flight, and only for the length of this call."""
+        if self.rows is None:
+            raise ValueError(f"{NAME}: checkpoint needs an adapter built with req_rows")
+        self._tick()
+        inserts: list[tuple[int, int]] = []
+        insert = self.cache.insert
+
+        def observed(params: Any) -> Any:
+            inserts.append((len(params.key),
+                            int(params.component_evicted_seqlens.get(self.swa_ct, 0))))
+            return insert(params)
+
+        self.cache.insert = observed
+        try:
+            self.cache.checkpoint(req, up_to=up_to)
+        finally:
+            del self.cache.insert  # the class's method again
+        self._resync_held()
+        self._settle()
+        return inserts
+
+    def slide_window(self, req: Any, pre_len: int) -> None:
+        """``evict_sliding_windows(req, pre_len)``: a decode step's out-of-window SWA
+        free (``ScheduleBatch.maybe_evict_swa`` passes ``seqlen - 1``)."""
+        self._tick()
+        self.cache.evict_sliding_windows(req, pre_len)
+        self._resync_held()
+
+    def release(self, req: Any, owned: int) -> list[tuple[int, int]]:
+        """``release_kv_cache(req, checkpoint=True)`` for a finished request: the final
+        checkpoint, the row past the protected prefix freed, the lock released, the row
+        given back (common.py, without the speculative-decoding over-allocation step).
+        Returns the final checkpoint's inserts (``checkpoint``)."""
+        inserts = self.checkpoint(req, up_to=owned)
+        if self.rows is None:
+            raise ValueError(f"{NAME}: release needs an adapter built with req_rows")
+        self._tick()
+        self.cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned)])
+        self.cache.unlock(req.lock)
+        req.lock = None
+        self.cache.on_release(req, checkpointed=True)
+        self.rows.free(req)
+        self._resync_held()
+        self._settle()
+        return inserts
 
     def observe(self) -> SwaView:
         pages: dict[Key, SwaPageView] = {}
