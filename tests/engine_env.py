@@ -15,13 +15,16 @@ import os
 import pytest
 
 from hiradix.conformance.adapters import EngineUnavailable, probe
+from hiradix.conformance.hybrid.engines import HYBRID_ENGINES
+from hiradix.conformance.hybrid.engines import probe as probe_hybrid
 
 
 def require(engine: str) -> str:
-    """The installed version of ``engine``; skips or fails the calling test otherwise."""
+    """The installed version of ``engine`` (an engine of the differential suite or a
+    hybrid one); skips or fails the calling test otherwise."""
     required = set(filter(None, os.environ.get("HIRADIX_REQUIRE_ENGINES", "").split(",")))
     try:
-        return probe(engine)
+        return probe_hybrid(engine) if engine in HYBRID_ENGINES else probe(engine)
     except EngineUnavailable as unavailable:
         if engine in required or unavailable.kind == "api":
             pytest.fail(f"{unavailable} [HIRADIX_REQUIRE_ENGINES={','.join(sorted(required))}]",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,20 +18,20 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters.base import EngineUnavailable
 from hiradix.conformance.adapters.sglang_swa import (
     WRITE_POLICIES,
     SglangSwaAdapter,
     WritePolicy,
     build,
     build_hicache,
-    probe,
 )
 from hiradix.conformance.hybrid.campaign import hybrid_configs
 from hiradix.conformance.hybrid.engine import SwaView
 from hiradix.conformance.hybrid.machine import make_swa_machine
 from hiradix_model import Key
 from hiradix_model.hybrid import SwaConfig
+
+from engine_env import require
 
 ENGINE = "sglang-swa"
 KEY = Key(tuple(range(1, 13)), None)  # 12 tokens
@@ -41,15 +40,7 @@ KEY = Key(tuple(range(1, 13)), None)  # 12 tokens
 @pytest.fixture(autouse=True)
 def sglang_installed() -> str:
     """Skip without SGLang 0.5.23; fail where it is installed but does not probe."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("SGLang is not installed here (make sglang23-env)")
-    required = set(filter(None, os.environ.get("HIRADIX_REQUIRE_ENGINES", "").split(",")))
-    try:
-        return probe()
-    except EngineUnavailable as unavailable:
-        if ENGINE in required or unavailable.kind == "api":
-            pytest.fail(str(unavailable), pytrace=False)
-        pytest.skip(str(unavailable))
+    return require(ENGINE)
 
 
 Make = Callable[[SwaConfig], SglangSwaAdapter]

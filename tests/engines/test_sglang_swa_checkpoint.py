@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import random
 from array import array
 from collections import Counter
@@ -23,8 +22,7 @@ from typing import Any
 
 import pytest
 
-from hiradix.conformance.adapters.base import EngineUnavailable
-from hiradix.conformance.adapters.sglang_swa import SglangSwaAdapter, probe
+from hiradix.conformance.adapters.sglang_swa import SglangSwaAdapter
 from hiradix.conformance.hybrid.abstraction import Codes, abstract, mapping_problems
 from hiradix.conformance.hybrid.machine import state_problems
 from hiradix_model import Key
@@ -32,6 +30,8 @@ from hiradix_model import hybrid as model
 from hiradix_model.errors import IllegalChoice, PreconditionError
 from hiradix_model.hybrid import SwaConfig
 from hiradix_model.keys import content_at
+
+from engine_env import require
 
 ENGINE = "sglang-swa"
 SEEDS = range(40)
@@ -41,15 +41,7 @@ ROWS, MAX_CONTEXT = 8, 512  # at most 4 requests live at once, each under 64 tok
 @pytest.fixture(autouse=True)
 def sglang_installed() -> str:
     """Skip without SGLang 0.5.23; fail where it is installed but does not probe."""
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("SGLang is not installed here (make sglang23-env)")
-    required = set(filter(None, os.environ.get("HIRADIX_REQUIRE_ENGINES", "").split(",")))
-    try:
-        return probe()
-    except EngineUnavailable as unavailable:
-        if ENGINE in required or unavailable.kind == "api":
-            pytest.fail(str(unavailable), pytrace=False)
-        pytest.skip(str(unavailable))
+    return require(ENGINE)
 
 
 @dataclass
