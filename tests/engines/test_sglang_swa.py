@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hybrid_support import bounded, heal_a_locked_tombstone
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.adapters.sglang_swa import (
@@ -229,9 +229,6 @@ def test_a_tombstone_a_deletion_uncovers_stays_as_a_full_leaf(make: Make) -> Non
 # -- the hybrid machine, and bugs planted in SGLang ----------------------------------------
 
 
-def bounded(examples: int) -> settings:
-    return settings(max_examples=examples, stateful_step_count=30, deadline=None,
-                    database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
 @pytest.mark.parametrize("config", hybrid_configs([1, 2, 4]), ids=str)
@@ -297,21 +294,11 @@ def test_a_bug_planted_in_sglang_fails_the_machine(name: str,
         run_state_machine_as_test(make_swa_machine(build, config), settings=bounded(300))
 
 
-def heal_a_locked_tombstone(reached: Counter[str] | None = None) -> None:
-    """The machine's steps that heal tombstones a running request holds (as in
-    tests/impl/test_swa_machine.py)."""
-    config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
-    state = make_swa_machine(build, config, reached)()
-    try:
-        state.run_request((1, 1, 1, 1), past=2, keep=True)
-        state.run_request((1, 1), past=0, keep=False)
-    finally:
-        state.teardown()
 
 
 def test_healing_a_locked_tombstone_keeps_its_full_slots() -> None:
     reached: Counter[str] = Counter()
-    heal_a_locked_tombstone(reached)
+    heal_a_locked_tombstone(build, reached)
     assert reached["healed_keeping_full"] == 2
 
 
@@ -319,7 +306,7 @@ def test_healing_that_frees_a_locked_pages_full_slots_fails(
         monkeypatch: pytest.MonkeyPatch) -> None:
     heal_ignoring_the_lock(monkeypatch)
     with pytest.raises(Exception, match="which a running request reads"):
-        heal_a_locked_tombstone()
+        heal_a_locked_tombstone(build)
 
 
 # -- with HiCache: the host tier under each write policy, the device tier observed ---------

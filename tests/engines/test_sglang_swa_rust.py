@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hybrid_support import bounded
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.adapters.sglang_rust_reference import Parted
@@ -148,9 +148,6 @@ def test_a_rust_core_that_parts_from_its_reference_is_caught(
         adapter.observe()
 
 
-def bounded(examples: int) -> settings:
-    return settings(max_examples=examples, stateful_step_count=30, deadline=None,
-                    database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
 @pytest.mark.parametrize("config", hybrid_configs([1, 2, 4]), ids=str)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hybrid_support import bounded, heal_a_locked_tombstone
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.adapters.ours_swa import build
@@ -23,11 +23,6 @@ from hiradix.hybrid.cache import SwaCache
 from hiradix.hybrid.pools import SwaPools
 from hiradix.hybrid.tree import SwaTree
 from hiradix_model.hybrid import SwaConfig
-
-
-def bounded(examples: int) -> settings:
-    return settings(max_examples=examples, stateful_step_count=30, deadline=None,
-                    database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
 @pytest.mark.parametrize("config", hybrid_configs([1, 2, 4]), ids=str)
@@ -109,22 +104,11 @@ def test_a_planted_bug_fails_the_machine(planted: str) -> None:
         run_state_machine_as_test(make_swa_machine(build, config), settings=bounded(300))
 
 
-def heal_a_locked_tombstone(reached: Counter[str] | None = None) -> None:
-    """The machine's steps that heal tombstones a running request holds: a request
-    decodes past the window of (1, 1, 1, 1) and runs on; a second one, (1, 1), finds
-    its pages dead and inserts them live again."""
-    config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
-    state = make_swa_machine(build, config, reached)()
-    try:
-        state.run_request((1, 1, 1, 1), past=2, keep=True)
-        state.run_request((1, 1), past=0, keep=False)
-    finally:
-        state.teardown()
 
 
 def test_healing_a_locked_tombstone_keeps_its_full_slots() -> None:
     reached: Counter[str] = Counter()
-    heal_a_locked_tombstone(reached)
+    heal_a_locked_tombstone(build, reached)
     assert reached["healed_keeping_full"] == 2
 
 
@@ -132,4 +116,4 @@ def test_healing_that_frees_a_locked_pages_full_slots_fails(
         monkeypatch: pytest.MonkeyPatch) -> None:
     heal_under_lock(monkeypatch)
     with pytest.raises(Exception, match="which a running request reads"):
-        heal_a_locked_tombstone()
+        heal_a_locked_tombstone(build)

@@ -17,6 +17,11 @@ def _require_page(state: SwaState, page: Key | None) -> None:
         require(page in state.pages, "page", "is not cached")
 
 
+def _require_window_locked(state: SwaState, page: Key) -> None:
+    require(all(state.pages[k].swa_lock > 0 for k in window(state, page)), "page",
+            "its window holds no SWA lock")
+
+
 def _shift(state: SwaState, page: Key, lock: int, swa_lock: int) -> SwaState:
     pages = dict(state.pages)
     for key in root_path(state, page):
@@ -50,8 +55,7 @@ def dec_swa_lock(state: SwaState, page: Key | None) -> SwaState:
     _require_page(state, page)
     if page is None:
         return state
-    require(all(state.pages[k].swa_lock > 0 for k in window(state, page)), "page",
-            "its window holds no SWA lock")
+    _require_window_locked(state, page)
     return _shift(state, page, 0, -1)
 
 
@@ -68,6 +72,5 @@ def dec_lock_ref(state: SwaState, page: Key | None, swa_released: bool) -> SwaSt
         return state
     require(state.pages[page].lock > 0, "page", "is not locked")
     if not swa_released:
-        require(all(state.pages[k].swa_lock > 0 for k in window(state, page)), "page",
-                "its window holds no SWA lock")
+        _require_window_locked(state, page)
     return _shift(state, page, -1, 0 if swa_released else -1)

@@ -74,11 +74,6 @@ def window_live(state: SwaState, page: Key) -> bool:
     return all(k in state.pages and state.pages[k].live for k in window(state, page))
 
 
-def has_child(state: SwaState, page: Key) -> bool:
-    ps = state.config.page_size
-    return any(parent_page(k, ps) == page for k in state.pages)
-
-
 def full_leaves(state: SwaState) -> set[Key]:
     """Unlocked cached pages with no cached child: what a full eviction may delete."""
     parents = {parent_page(k, state.config.page_size) for k in state.pages}

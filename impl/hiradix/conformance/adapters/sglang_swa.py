@@ -160,6 +160,148 @@ def _codes(buffer: torch.Tensor, slots: range) -> dict[int, int]:
     return {slot: int(v) for slot, v in zip(slots, values, strict=True) if not math.isnan(v)}
 
 
+class SwaPoolPair:
+    """SGLang's ``SWAKVPool`` and ``SWATokenToKVPoolAllocator`` for one configuration,
+    driven as the scheduler drives them and spoken to in the model's slot ids (module
+    docstring: SGLang's shifted down one page). Both SGLang adapters, on the Python and
+    on the Rust tree core, hold their pools through this.
+
+    ``held``: caller-held SGLang full slot -> whether its pair still has an SWA half."""
+
+    def __init__(self, config: SwaConfig, pool_module: Any, allocator_module: Any) -> None:
+        self.config = config
+        ps = self.ps = config.page_size
+        self.kv = pool_module.SWAKVPool(
+            size=config.full_slots, size_swa=config.swa_slots, page_size=ps, dtype=DTYPE,
+            head_num=HEADS, head_dim=HEAD_DIM, swa_attention_layer_ids=SWA_LAYERS,
+            full_attention_layer_ids=FULL_LAYERS, device="cpu", enable_memory_saver=False)
+        for buffer in _buffers(self.kv.full_kv_pool) + _buffers(self.kv.swa_kv_pool):
+            buffer.fill_(float("nan"))  # "never written" (module docstring)
+        self.allocator = allocator_module.SWATokenToKVPoolAllocator(
+            config.full_slots, config.swa_slots, ps, DTYPE, "cpu", self.kv, False)
+        # Allocatable slot ids: page 0 of each pool is SGLang's padding sink.
+        self.full_ids = range(ps, config.full_slots + ps)
+        self.swa_ids = range(ps, config.swa_slots + ps)
+        self.held: dict[int, bool] = {}
+
+    def to_model(self, slots: Iterable[int]) -> tuple[int, ...]:
+        """SGLang's slot ids as the model's (past the padding page)."""
+        return tuple(int(s) - self.ps for s in slots)
+
+    def to_sglang(self, slots: Sequence[int]) -> list[int]:
+        """The model's slot ids as SGLang's."""
+        return [s + self.ps for s in slots]
+
+    def pages(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """SGLang ``slots`` cut into pages, each the ``page_size`` slots of one pool page
+        in order: SGLang's segment frees read one representative per page."""
+        ps = self.ps
+        if len(slots) % ps:
+            raise ValueError(f"{NAME}: {len(slots)} slots are not whole pages of {ps}")
+        pages = [list(slots[i:i + ps]) for i in range(0, len(slots), ps)]
+        for page in pages:
+            if page != list(range(page[0], page[0] + ps)) or page[0] % ps:
+                raise ValueError(f"{NAME}: {page} is not one page of {ps} slots")
+        return [torch.tensor(page, dtype=torch.int64) for page in pages]
+
+    def mapping(self) -> torch.Tensor:
+        """The full->SWA mapping without its trailing -1 sentinel (0: no SWA half)."""
+        mapping: torch.Tensor = self.allocator.full_to_swa_index_mapping
+        return mapping[:-1]
+
+    def full_free(self) -> frozenset[int]:
+        """SGLang's free full slots."""
+        return _free_slots(self.allocator.full_attn_allocator)
+
+    def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
+        """``num_tokens`` fresh pairs' full slots (model ids), or None."""
+        if num_tokens % self.ps:
+            raise ValueError(f"{NAME}: alloc({num_tokens}) is not whole pages of {self.ps}")
+        if num_tokens == 0:
+            return ()
+        if self.ps == 1:
+            # The scheduler's alloc_token_slots (allocation.py); page size 1 only.
+            got = self.allocator.alloc(num_tokens)
+        else:
+            # SWATokenToKVPoolAllocator.alloc asserts page size 1; the scheduler's
+            # paged path is alloc_extend for a request with no prefix (last_loc -1).
+            zero, n = torch.tensor([0]), torch.tensor([num_tokens])
+            got = self.allocator.alloc_extend(zero, zero, n, n, torch.tensor([-1]), num_tokens)
+        if got is None:
+            return None
+        slots = tuple(int(s) for s in got.tolist())
+        self.held.update(dict.fromkeys(slots, True))
+        return self.to_model(slots)
+
+    def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
+        """``codes[i]`` into every layer of both halves of pair ``full_slots[i]``."""
+        if len(full_slots) != len(codes):
+            raise ValueError(f"{NAME}: {len(full_slots)} slots, {len(codes)} codes")
+        if any(not 0 <= c < EXACT for c in codes):
+            raise ValueError(f"{NAME}: codes must lie in [0, 2**24) to be exact in float32")
+        index = torch.tensor(self.to_sglang(full_slots), dtype=torch.int64)
+        values = torch.tensor(list(codes), dtype=DTYPE).view(-1, HEADS, HEAD_DIM)
+        for buffer in _buffers(self.kv.full_kv_pool):
+            buffer[index] = values
+        swa = self.mapping()[index]
+        live = swa > 0  # 0: the pair has no SWA half
+        for buffer in _buffers(self.kv.swa_kv_pool):
+            buffer[swa[live]] = values[live]
+
+    def free_swa(self, full_slots: Sequence[int]) -> None:
+        """Drop the SWA halves, as the scheduler's ``free_swa_out_of_window_slots``
+        frees a row segment."""
+        for page in self.pages(self.to_sglang(full_slots)):
+            self.allocator.free_swa_segment(page, start_pos=0)
+            self.held.update(dict.fromkeys(page.tolist(), False))
+
+    def free(self, full_slots: Sequence[int], freed_by_tree: set[int]) -> None:
+        """Return pairs, but not those the tree freed already (DEV-24; SGLang ids, which
+        leave ``freed_by_tree``). As ``free_kv_row_segments``: a pair without its SWA half
+        frees its full half only (``free_segment`` would free the sink slot 0 as one)."""
+        mine = self.to_sglang(full_slots)
+        rest = [s for s in mine if s not in freed_by_tree]
+        freed_by_tree.difference_update(mine)
+        mapping = self.mapping()
+        for page in self.pages(rest):
+            if int(mapping[int(page[0])]) > 0:
+                self.allocator.free_segment(page, start_pos=0)
+            else:
+                self.allocator.free_full_segment(page, start_pos=0)
+            for slot in page.tolist():
+                self.held.pop(slot, None)
+
+    def view_fields(self) -> dict[str, Any]:
+        """The free sets, the mapping's entries and the KV codes of an ``SwaView``, in
+        model ids."""
+        ps = self.ps
+        full_kv = _codes(self.kv.full_kv_pool.k_buffer[0], self.full_ids)
+        swa_kv = _codes(self.kv.swa_kv_pool.k_buffer[0], self.swa_ids)
+        return {
+            "full_free": frozenset(self.to_model(self.full_free())),
+            "swa_free": frozenset(self.to_model(_free_slots(self.allocator.swa_attn_allocator))),
+            "pairs": {slot - ps: int(swa) - ps
+                      for slot, swa in enumerate(self.mapping().tolist()) if swa != 0},
+            "full_kv": {slot - ps: code for slot, code in full_kv.items()},
+            "swa_kv": {slot - ps: code for slot, code in swa_kv.items()},
+        }
+
+    def balance_problem(self, full: tuple[int, int], swa: tuple[int, int]) -> str | None:
+        """The scheduler's pool balance (``invariant_checker._check_pool_invariant``) per
+        pool, given each pool's (evictable, protected) as the cache counts them:
+        available + evictable + protected + held by callers = capacity."""
+        for pool, available, (evictable, protected), held, capacity in [
+            ("full", self.allocator.full_available_size(), full, len(self.held),
+             self.config.full_slots),
+            ("swa", self.allocator.swa_available_size(), swa, sum(self.held.values()),
+             self.config.swa_slots),
+        ]:
+            if available + evictable + protected + held != capacity:
+                return (f"{pool} pool balance: available {available} + evictable {evictable} "
+                        f"+ protected {protected} + held {held} != {capacity}")
+        return None
+
+
 @dataclass
 class _Node:
     """One tree node as ``observe`` reads it."""
@@ -196,14 +338,9 @@ class SglangSwaAdapter:
         self.m = self.env.modules
         self.env.clock.now = 0  # not the previous cache's last tick
         ps = self.ps = config.page_size
-        self.kv = swa["swa_pool"].SWAKVPool(
-            size=config.full_slots, size_swa=config.swa_slots, page_size=ps, dtype=DTYPE,
-            head_num=HEADS, head_dim=HEAD_DIM, swa_attention_layer_ids=SWA_LAYERS,
-            full_attention_layer_ids=FULL_LAYERS, device="cpu", enable_memory_saver=False)
-        for buffer in _buffers(self.kv.full_kv_pool) + _buffers(self.kv.swa_kv_pool):
-            buffer.fill_(float("nan"))  # "never written" (module docstring)
-        self.allocator = swa["swa_alloc"].SWATokenToKVPoolAllocator(
-            config.full_slots, config.swa_slots, ps, DTYPE, "cpu", self.kv, False)
+        self.pools = SwaPoolPair(config, swa["swa_pool"], swa["swa_alloc"])
+        self.kv, self.allocator = self.pools.kv, self.pools.allocator
+        self.held = self.pools.held  # caller-held full slot -> has its SWA half
         types = self.m["components"].ComponentType
         self.full_ct, self.swa_ct = types.FULL, types.SWA
         # ``req_rows``: a ReqToTokenPool of that many rows, for the request-level calls
@@ -237,10 +374,6 @@ class SglangSwaAdapter:
         if type(self.tree) is not self.m["core"].UnifiedTreeCore:
             raise EngineUnavailable(f"{NAME}: asked for the Python tree core, got "
                                     f"{type(self.tree).__name__} ({SETUP})")
-        # Allocatable slot ids: page 0 of each pool is SGLang's padding sink.
-        self.full_ids = range(ps, config.full_slots + ps)
-        self.swa_ids = range(ps, config.swa_slots + ps)
-        self.held: dict[int, bool] = {}  # caller-held full slot -> has its SWA half
         self.freed_by_tree: set[int] = set()  # DEV-24: duplicates the last insert freed
 
     # -- plumbing ---------------------------------------------------------------------
@@ -266,32 +399,16 @@ class SglangSwaAdapter:
             f"{sorted(self.cache.ongoing_load_back)}")
 
     def _out(self, slots: Iterable[int]) -> tuple[int, ...]:
-        """SGLang's slot ids as the model's (past the padding page)."""
-        return tuple(s - self.ps for s in slots)
+        return self.pools.to_model(slots)
 
     def _in(self, slots: Sequence[int]) -> list[int]:
-        """The model's slot ids as SGLang's."""
-        return [s + self.ps for s in slots]
+        return self.pools.to_sglang(slots)
 
     def _index(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(slots), dtype=torch.int64)
 
-    def _pages(self, slots: Sequence[int]) -> list[list[int]]:
-        """``slots`` cut into pages, each the ``page_size`` slots of one pool page in
-        order: SGLang's segment frees read one representative per page."""
-        ps = self.ps
-        if len(slots) % ps:
-            raise ValueError(f"{NAME}: {len(slots)} slots are not whole pages of {ps}")
-        pages = [list(slots[i:i + ps]) for i in range(0, len(slots), ps)]
-        for page in pages:
-            if page != list(range(page[0], page[0] + ps)) or page[0] % ps:
-                raise ValueError(f"{NAME}: {page} is not one page of {ps} slots")
-        return pages
-
     def _mapping(self) -> torch.Tensor:
-        """The full->SWA mapping without its trailing -1 sentinel."""
-        mapping: torch.Tensor = self.allocator.full_to_swa_index_mapping
-        return mapping[:-1]
+        return self.pools.mapping()
 
     def _nodes(self) -> Iterator[_Node]:
         """Every node but the root, parents first."""
@@ -348,61 +465,18 @@ class SglangSwaAdapter:
 
     def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
         self._tick()
-        if num_tokens == 0:
-            return ()
-        if num_tokens % self.ps:
-            raise ValueError(f"{NAME}: alloc({num_tokens}) is not whole pages of {self.ps}")
-        if self.ps == 1:
-            # The scheduler's alloc_token_slots (allocation.py); page size 1 only.
-            got = self.allocator.alloc(num_tokens)
-        else:
-            # SWATokenToKVPoolAllocator.alloc asserts page size 1; the scheduler's
-            # paged path is alloc_extend for a request with no prefix (last_loc -1).
-            zero, n = torch.tensor([0]), torch.tensor([num_tokens])
-            got = self.allocator.alloc_extend(zero, zero, n, n, torch.tensor([-1]), num_tokens)
-        if got is None:
-            return None
-        slots = tuple(int(s) for s in got.tolist())
-        self.held.update(dict.fromkeys(slots, True))
-        return self._out(slots)
+        return self.pools.alloc(num_tokens)
 
     def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
-        full_slots = self._in(full_slots)
-        if len(full_slots) != len(codes):
-            raise ValueError(f"{NAME}: {len(full_slots)} slots, {len(codes)} codes")
-        if any(not 0 <= c < EXACT for c in codes):
-            raise ValueError(f"{NAME}: codes must lie in [0, 2**24) to be exact in float32")
-        index = self._index(full_slots)
-        values = torch.tensor(list(codes), dtype=DTYPE).view(-1, HEADS, HEAD_DIM)
-        for buffer in _buffers(self.kv.full_kv_pool):
-            buffer[index] = values
-        swa = self._mapping()[index]
-        live = swa > 0  # 0: the pair has no SWA half
-        for buffer in _buffers(self.kv.swa_kv_pool):
-            buffer[swa[live]] = values[live]
+        self.pools.write_kv(full_slots, codes)
 
     def free_swa(self, full_slots: Sequence[int]) -> None:
         self._tick()
-        full_slots = self._in(full_slots)
-        # The scheduler's free_swa_out_of_window_slots frees a row segment this way.
-        for page in self._pages(full_slots):
-            self.allocator.free_swa_segment(self._index(page), start_pos=0)
-            self.held.update(dict.fromkeys(page, False))
+        self.pools.free_swa(full_slots)
 
     def free(self, full_slots: Sequence[int]) -> None:
         self._tick()
-        full_slots = self._in(full_slots)
-        rest = [s for s in full_slots if s not in self.freed_by_tree]
-        self.freed_by_tree.difference_update(full_slots)
-        mapping = self._mapping()
-        for page in self._pages(rest):
-            index = self._index(page)
-            if int(mapping[page[0]]) > 0:
-                self.allocator.free_segment(index, start_pos=0)
-            else:
-                self.allocator.free_full_segment(index, start_pos=0)
-            for slot in page:
-                self.held.pop(slot, None)
+        self.pools.free(full_slots, self.freed_by_tree)
 
     def match_prefix(self, key: Key) -> tuple[tuple[int, ...], Key | None]:
         self._tick()
@@ -423,12 +497,12 @@ class SglangSwaAdapter:
         prev = 0  # DEV-24: the caller's leading run of the tree's own slots
         while prev < len(cached) and full_slots[prev] == cached[prev]:
             prev += 1
-        free_before = _free_slots(self.allocator.full_attn_allocator)
+        free_before = self.pools.full_free()
         params = self.m["base"].InsertParams(
             key=radix_key(self.env, key), value=self._index(full_slots), prev_prefix_len=prev,
             component_evicted_seqlens={self.swa_ct: swa_evicted}, track_adopted_ranges=True)
         result = self.cache.insert(params)
-        freed = _free_slots(self.allocator.full_attn_allocator) - free_before
+        freed = self.pools.full_free() - free_before
         self.freed_by_tree = set(full_slots[prev:]) & freed
         taken = self._tree_full()
         for slot in full_slots:
@@ -506,7 +580,7 @@ class SglangSwaAdapter:
         """After a request-level call: slots the tree took or freed leave ``held``, and
         a held pair whose SWA half the call freed is marked so (the call frees both
         inside SGLang, where the adapter cannot hook)."""
-        free = _free_slots(self.allocator.full_attn_allocator)
+        free = self.pools.full_free()
         taken = self._tree_full()
         mapping = self._mapping()
         for slot in list(self.held):
@@ -639,19 +713,8 @@ class SglangSwaAdapter:
                 pages[key] = SwaPageView(
                     full=self._out(full[cut]), swa=None if swa is None else self._out(swa[cut]),
                     lock=int(full_cd.lock_ref), swa_lock=int(swa_cd.lock_ref))
-        mapping = self._mapping().tolist()
-        ps = self.ps
-        pairs = {slot - ps: int(swa) - ps for slot, swa in enumerate(mapping) if swa != 0}
-        full_kv = _codes(self.kv.full_kv_pool.k_buffer[0], self.full_ids)
-        swa_kv = _codes(self.kv.swa_kv_pool.k_buffer[0], self.swa_ids)
-        return SwaView(
-            pages=pages,
-            full_free=frozenset(self._out(_free_slots(self.allocator.full_attn_allocator))),
-            swa_free=frozenset(self._out(_free_slots(self.allocator.swa_attn_allocator))),
-            pairs=pairs,
-            full_kv={slot - ps: code for slot, code in full_kv.items()},
-            swa_kv={slot - ps: code for slot, code in swa_kv.items()},
-            own_check="; ".join([*stray, *self._own_check()]) or None)
+        return SwaView(pages=pages, **self.pools.view_fields(),
+                       own_check="; ".join([*stray, *self._own_check()]) or None)
 
     def _own_check(self) -> list[str]:
         """SGLang's ``sanity_check`` (tree, leaf sets, LRUs, size counters; with HiCache
@@ -663,16 +726,11 @@ class SglangSwaAdapter:
             self.cache.sanity_check()
         except AssertionError as failed:
             return [f"sanity_check: {failed}"]
-        held_swa = sum(self.held.values())
-        for pool, available, evictable, protected, held, capacity in [
-            ("full", self.allocator.full_available_size(), self.cache.full_evictable_size(),
-             self.cache.full_protected_size(), len(self.held), self.config.full_slots),
-            ("swa", self.allocator.swa_available_size(), self.cache.swa_evictable_size(),
-             self.cache.swa_protected_size(), held_swa, self.config.swa_slots),
-        ]:
-            if available + evictable + protected + held != capacity:
-                return [f"{pool} pool balance: available {available} + evictable {evictable} "
-                        f"+ protected {protected} + held {held} != {capacity}"]
+        balance = self.pools.balance_problem(
+            (self.cache.full_evictable_size(), self.cache.full_protected_size()),
+            (self.cache.swa_evictable_size(), self.cache.swa_protected_size()))
+        if balance is not None:
+            return [balance]
         return self._host_problems() if self.hicache is not None else []
 
     def _host_problems(self) -> list[str]:

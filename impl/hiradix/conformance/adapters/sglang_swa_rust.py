@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -66,15 +65,7 @@ import torch
 from hiradix.conformance.adapters.base import EngineUnavailable
 from hiradix.conformance.adapters.sglang_rust import stdout_of
 from hiradix.conformance.adapters.sglang_rust_reference import Parted
-from hiradix.conformance.adapters.sglang_swa import (
-    DTYPE,
-    EXACT,
-    FULL_LAYERS,
-    HEAD_DIM,
-    HEADS,
-    SWA_LAYERS,
-    SglangSwaAdapter,
-)
+from hiradix.conformance.adapters.sglang_swa import SglangSwaAdapter, SwaPoolPair
 from hiradix.conformance.adapters.sglang_swa import probe as probe_python_core
 from hiradix.conformance.adapters.sglang_unified import prepare, radix_key
 from hiradix.conformance.hybrid.engine import LockGranularity, SwaPageView, SwaView
@@ -101,16 +92,6 @@ def probe(engine: str = NAME) -> str:
         raise EngineUnavailable(f"{engine}: the compiled {RUST_MODULE} is missing ({SETUP})",
                                 "api")
     return version
-
-
-def _free_of(allocator: Any) -> frozenset[int]:
-    """The SGLang slots a token or paged sub-allocator could hand out, staged frees
-    included."""
-    if allocator.page_size == 1:
-        return frozenset(allocator.free_pages.tolist() + allocator.release_pages.tolist())
-    ps = allocator.page_size
-    return frozenset(p * ps + i for p in allocator.get_all_free_pages().tolist()
-                     for i in range(ps))
 
 
 @dataclass(frozen=True)
@@ -156,15 +137,10 @@ class SglangSwaRustAdapter:
         self.env = prepare()
         self.m = self.env.modules
         ps = self.ps = config.page_size
-        self.kv = importlib.import_module(POOL_MODULE).SWAKVPool(
-            size=config.full_slots, size_swa=config.swa_slots, page_size=ps, dtype=DTYPE,
-            head_num=HEADS, head_dim=HEAD_DIM, swa_attention_layer_ids=SWA_LAYERS,
-            full_attention_layer_ids=FULL_LAYERS, device="cpu", enable_memory_saver=False)
-        for pool in (self.kv.full_kv_pool, self.kv.swa_kv_pool):
-            for buffer in [*pool.k_buffer, *pool.v_buffer]:
-                buffer.fill_(float("nan"))  # "never written": observe leaves such slots out
-        self.allocator = importlib.import_module(ALLOCATOR_MODULE).SWATokenToKVPoolAllocator(
-            config.full_slots, config.swa_slots, ps, DTYPE, "cpu", self.kv, False)
+        self.pools = SwaPoolPair(config, importlib.import_module(POOL_MODULE),
+                                 importlib.import_module(ALLOCATOR_MODULE))
+        self.allocator = self.pools.allocator
+        self.held = self.pools.held  # caller-held full slot -> has its SWA half
         types = self.m["components"].ComponentType
         self.full_ct, self.swa_ct = types.FULL, types.SWA
         params = self.m["params"].CacheInitParams(
@@ -178,38 +154,13 @@ class SglangSwaRustAdapter:
         if type(self.tree) is not rust_core.RustUnifiedTreeCore:
             raise EngineUnavailable(f"{NAME}: asked for the Rust tree core, got "
                                     f"{type(self.tree).__name__} ({SETUP})")
-        # Allocatable slot ids: page 0 of each pool is SGLang's padding sink.
-        self.full_ids = range(ps, config.full_slots + ps)
-        self.swa_ids = range(ps, config.swa_slots + ps)
-        self.held: dict[int, bool] = {}  # caller-held full slot -> has its SWA half
         self.freed_by_tree: set[int] = set()  # DEV-24: duplicates the last insert freed
         self.contents: dict[int, Key] = {}  # SGLang full slot -> the content inserted there
         self.root = int(self.tree.root_node_handle(None))
         self.high_handle = self.root
 
-    # -- slot ids ---------------------------------------------------------------------------
-
     def _out(self, slots: Iterable[int]) -> tuple[int, ...]:
-        """SGLang's slot ids as the model's (past the padding page)."""
-        return tuple(int(s) - self.ps for s in slots)
-
-    def _in(self, slots: Sequence[int]) -> list[int]:
-        return [s + self.ps for s in slots]
-
-    def _pages_of(self, slots: Sequence[int]) -> list[torch.Tensor]:
-        """``slots`` cut into pages of one pool page each: the segment frees read one
-        representative per page."""
-        ps = self.ps
-        pages = [list(slots[i:i + ps]) for i in range(0, len(slots), ps)]
-        for page in pages:
-            if page != list(range(page[0], page[0] + ps)) or page[0] % ps:
-                raise ValueError(f"{NAME}: {page} is not one page of {ps} slots")
-        return [torch.tensor(page, dtype=torch.int64) for page in pages]
-
-    def _mapping(self) -> torch.Tensor:
-        """The full->SWA mapping without its trailing -1 sentinel."""
-        mapping: torch.Tensor = self.allocator.full_to_swa_index_mapping
-        return mapping[:-1]
+        return self.pools.to_model(slots)
 
     @staticmethod
     def agree(what: str, rust: object, python: object) -> None:
@@ -295,62 +246,20 @@ class SglangSwaRustAdapter:
     # -- the operations, on both cores ------------------------------------------------------
 
     def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
-        if num_tokens % self.ps:
-            raise ValueError(f"{NAME}: alloc({num_tokens}) is not whole pages of {self.ps}")
-        got = None
-        if num_tokens == 0:
-            slots: tuple[int, ...] | None = ()
-        else:
-            if self.ps == 1:
-                got = self.allocator.alloc(num_tokens)  # the scheduler's alloc_token_slots
-            else:
-                # alloc asserts page size 1; a request with no prefix takes alloc_extend
-                # with last_loc -1.
-                zero, n = torch.tensor([0]), torch.tensor([num_tokens])
-                got = self.allocator.alloc_extend(zero, zero, n, n, torch.tensor([-1]),
-                                                  num_tokens)
-            slots = None if got is None else tuple(int(s) for s in got.tolist())
-        if slots:
-            self.held.update(dict.fromkeys(slots, True))
-        answer = None if slots is None else self._out(slots)
+        answer = self.pools.alloc(num_tokens)
         self.agree(f"alloc({num_tokens})", answer, self.reference.alloc(num_tokens))
         return answer
 
     def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
-        if len(full_slots) != len(codes) or any(not 0 <= c < EXACT for c in codes):
-            raise ValueError(f"{NAME}: {len(full_slots)} slots for {len(codes)} codes, each "
-                             "in [0, 2**24)")
-        index = torch.tensor(self._in(full_slots), dtype=torch.int64)
-        values = torch.tensor(list(codes), dtype=DTYPE).view(-1, HEADS, HEAD_DIM)
-        for buffer in [*self.kv.full_kv_pool.k_buffer, *self.kv.full_kv_pool.v_buffer]:
-            buffer[index] = values
-        swa = self._mapping()[index]
-        live = swa > 0  # 0: the pair has no SWA half
-        for buffer in [*self.kv.swa_kv_pool.k_buffer, *self.kv.swa_kv_pool.v_buffer]:
-            buffer[swa[live]] = values[live]
+        self.pools.write_kv(full_slots, codes)
         self.reference.write_kv(full_slots, codes)
 
     def free_swa(self, full_slots: Sequence[int]) -> None:
-        # The scheduler's free_swa_out_of_window_slots frees a row segment this way.
-        for page in self._pages_of(self._in(full_slots)):
-            self.allocator.free_swa_segment(page, start_pos=0)
-            self.held.update(dict.fromkeys(page.tolist(), False))
+        self.pools.free_swa(full_slots)
         self.reference.free_swa(full_slots)
 
     def free(self, full_slots: Sequence[int]) -> None:
-        mine = self._in(full_slots)
-        rest = [s for s in mine if s not in self.freed_by_tree]  # DEV-24: freed already
-        self.freed_by_tree.difference_update(mine)
-        mapping = self._mapping()
-        for page in self._pages_of(rest):
-            # As free_kv_row_segments: a pair without its SWA half frees its full half
-            # only (free_segment would free the sink slot 0 as an SWA half).
-            if int(mapping[int(page[0])]) > 0:
-                self.allocator.free_segment(page, start_pos=0)
-            else:
-                self.allocator.free_full_segment(page, start_pos=0)
-            for slot in page.tolist():
-                self.held.pop(slot, None)
+        self.pools.free(full_slots, self.freed_by_tree)
         self.reference.free(full_slots)
 
     def match_prefix(self, key: Key) -> tuple[tuple[int, ...], Key | None]:
@@ -366,7 +275,7 @@ class SglangSwaRustAdapter:
         return answer
 
     def insert(self, key: Key, full_slots: Sequence[int], swa_evicted: int) -> int:
-        mine = self._in(full_slots)
+        mine = self.pools.to_sglang(full_slots)
         pages = self._rust_pages(self._rust_scan())
         # DEV-24: the caller's leading run of the tree's own slots, page by page.
         cached: list[int] = []
@@ -380,12 +289,12 @@ class SglangSwaRustAdapter:
             prev += 1
         for position, slot in enumerate(mine):
             self.contents[slot] = Key(key.tokens[:position + 1], key.namespace)
-        free_before = _free_of(self.allocator.full_attn_allocator)
+        free_before = self.pools.full_free()
         result = self.cache.insert(self.m["base"].InsertParams(
             key=radix_key(self.env, key), value=torch.tensor(mine, dtype=torch.int64),
             prev_prefix_len=prev,
             component_evicted_seqlens={self.swa_ct: swa_evicted}))
-        freed = _free_of(self.allocator.full_attn_allocator) - free_before
+        freed = self.pools.full_free() - free_before
         self.freed_by_tree = set(mine[prev:]) & freed
         taken = {int(s) for s in self.tree.all_values_flatten().tolist()}
         for slot in mine:
@@ -446,18 +355,8 @@ class SglangSwaRustAdapter:
                                   swa=None if swa is None else self._out(swa),
                                   lock=node.lock, swa_lock=int(bool(node.swa_locked)))
                  for key, (node, full, swa) in read.items()}
-        mapping = self._mapping().tolist()
-        ps = self.ps
-        full_kv = self.kv.full_kv_pool.k_buffer[0][self.full_ids.start:self.full_ids.stop, 0, 0]
-        swa_kv = self.kv.swa_kv_pool.k_buffer[0][self.swa_ids.start:self.swa_ids.stop, 0, 0]
         view = SwaView(
-            pages=pages,
-            full_free=frozenset(self._out(_free_of(self.allocator.full_attn_allocator))),
-            swa_free=frozenset(self._out(_free_of(self.allocator.swa_attn_allocator))),
-            pairs={slot - ps: int(swa) - ps for slot, swa in enumerate(mapping) if swa != 0},
-            # Index i of the slice is model slot i; NaN: never written.
-            full_kv={i: int(v) for i, v in enumerate(full_kv.tolist()) if not math.isnan(v)},
-            swa_kv={i: int(v) for i, v in enumerate(swa_kv.tolist()) if not math.isnan(v)},
+            pages=pages, **self.pools.view_fields(),
             own_check=self._rust_own_check(nodes))
         return self._with_reference_swa_locks(view, nodes, read)
 
@@ -520,17 +419,9 @@ class SglangSwaRustAdapter:
         owned = {s for n in nodes.values() for s in n.full}
         if flat != owned:
             return f"all_values_flatten {sorted(flat)} != the nodes' {sorted(owned)}"
-        held_swa = sum(self.held.values())
-        for pool, available, evictable, protected, held, capacity in [
-            ("full", self.allocator.full_available_size(), counted["full evictable"],
-             counted["full protected"], len(self.held), self.config.full_slots),
-            ("swa", self.allocator.swa_available_size(), counted["swa evictable"],
-             counted["swa protected"], held_swa, self.config.swa_slots),
-        ]:
-            if available + evictable + protected + held != capacity:
-                return (f"{pool} pool balance: available {available} + evictable {evictable} "
-                        f"+ protected {protected} + held {held} != {capacity}")
-        return None
+        return self.pools.balance_problem(
+            (counted["full evictable"], counted["full protected"]),
+            (counted["swa evictable"], counted["swa protected"]))
 
     def close(self) -> None:
         self.cache.shutdown()

@@ -96,7 +96,3 @@ class SwaEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds."""
 
-
-def codes_of(view: SwaView, full_slots: Sequence[int]) -> list[int | None]:
-    """The codes in these full slots (None: never written), for messages."""
-    return [view.full_kv.get(s) for s in full_slots]

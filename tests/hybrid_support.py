@@ -1,0 +1,29 @@
+"""What the hybrid machine's tests share, for ours and for each SGLang engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+
+from hiradix.conformance.hybrid.machine import Build, make_swa_machine
+from hiradix_model.hybrid import SwaConfig
+
+
+def bounded(examples: int) -> settings:
+    """A fixed, derandomized run of ``examples`` examples of 30 steps."""
+    return settings(max_examples=examples, stateful_step_count=30, deadline=None,
+                    database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def heal_a_locked_tombstone(build: Build, reached: Counter[str] | None = None) -> None:
+    """The machine's steps that heal tombstones a running request holds: a request
+    decodes past the window of (1, 1, 1, 1) and runs on; a second one, (1, 1), finds its
+    pages dead and inserts them live again (a search may miss this, so it is scripted)."""
+    config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
+    state = make_swa_machine(build, config, reached)()
+    try:
+        state.run_request((1, 1, 1, 1), past=2, keep=True)
+        state.run_request((1, 1), past=0, keep=False)
+    finally:
+        state.teardown()
