@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from mamba_mutants import MAMBA_MUTANTS
 from swa_mutants import SWA_MUTANTS
 
 from hiradix_model import INVARIANTS
 from hiradix_model.hybrid import MATCH_INVARIANT, SWA_INVARIANTS
+from hiradix_model.mamba import MAMBA_INVARIANTS
+from hiradix_model.mamba import MATCH_INVARIANT as MAMBA_MATCH_INVARIANT
 from hiradix_model.ranks import RANK_INVARIANTS
 
 from mutants import MUTANTS
@@ -21,10 +24,12 @@ MENTION = re.compile(r"INV-[A-Z0-9]+(?:-[A-Z0-9]+)*")
 
 
 # The single-rank invariants (predicates over a State), the rank invariants of spec/12
-# (predicates over every rank's record) and the hybrid ones of spec/13 (over an SwaState;
-# INV-SWA-MATCH-LIVE over a state and a match, tested by test_hybrid and the machine).
-PAGES = ("05-invariants.md", "12-ranks.md", "13-components.md")
-HYBRID = set(SWA_INVARIANTS) | {MATCH_INVARIANT}
+# (predicates over every rank's record) and the hybrid ones of spec/13 and 13m (over an
+# SwaState or a MambaState; the two match invariants over a state and a match, tested by
+# test_hybrid, test_mamba and the machines).
+PAGES = ("05-invariants.md", "12-ranks.md", "13-components.md", "13m-mamba.md")
+MATCHES = {MATCH_INVARIANT, MAMBA_MATCH_INVARIANT}
+HYBRID = set(SWA_INVARIANTS) | set(MAMBA_INVARIANTS) | MATCHES
 
 
 def defined_ids() -> set[str]:
@@ -42,7 +47,8 @@ def test_every_spec_id_has_a_predicate_and_every_predicate_is_in_the_spec() -> N
 
 
 def test_every_spec_id_has_a_test_that_can_fail_on_it() -> None:
-    assert defined_ids() == set(MUTANTS) | set(RANK_MUTANTS) | set(SWA_MUTANTS) | {MATCH_INVARIANT}
+    assert defined_ids() == (set(MUTANTS) | set(RANK_MUTANTS) | set(SWA_MUTANTS)
+                             | set(MAMBA_MUTANTS) | MATCHES)
 
 
 def test_spec_mentions_only_defined_ids() -> None:

@@ -28,11 +28,15 @@ from hiradix_model import (
     storage_choosers,
 )
 from hiradix_model import hybrid as checked_hybrid
+from hiradix_model import mamba as checked_mamba
 from hiradix_model import ops as checked_ops
 from hiradix_model.config import STRATEGIES, WRITE_POLICIES
 from hiradix_model.hybrid import SwaConfig, SwaState
 from hiradix_model.hybrid import invariants as swa_invariants
 from hiradix_model.hybrid.state import swa_candidates
+from hiradix_model.mamba import MambaConfig, MambaState
+from hiradix_model.mamba import invariants as mamba_invariants
+from hiradix_model.mamba.state import state_candidates
 
 ALPHABET = (1, 2)
 MAX_TOKENS = 4
@@ -58,6 +62,16 @@ class _UncheckedHybrid:
 
 
 hybrid = _UncheckedHybrid()
+
+
+class _UncheckedMamba:
+    """The (FULL, MAMBA) operations (spec/13m) without contract enforcement."""
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return NoEnforce(getattr(checked_mamba, name))
+
+
+mamba = _UncheckedMamba()
 
 
 def _choice(factory: SymbolicFactory, options: tuple, suffix: str):  # type: ignore[no-untyped-def]
@@ -216,6 +230,54 @@ def make_swa_state(factory: SymbolicFactory) -> SwaState:
     return deep_realize(state)
 
 
+def _mamba_request(state: MambaState, key: Key, keep: bool) -> MambaState:
+    """A request as spec/13m 13m.4 runs it, taking the lowest free slots of each pool."""
+    ps = state.config.page_size
+    if not state.state_free or len(key.tokens) < ps:
+        return state
+    key = Key(key.tokens[:len(key.tokens) - len(key.tokens) % ps], key.namespace)
+    match = mamba.match_prefix(state, key)
+    slot = min(state.state_free)
+    state = (mamba.fork(state, match.last_page, slot) if match.last_page is not None
+             else mamba.alloc_state(state, slot, Key((), key.namespace)))
+    state = mamba.inc_lock_ref(state, match.last_page, True)
+    cached = len(match.full_slots)
+    need = len(key.tokens) - cached
+    if need > len(state.full_free):
+        state = mamba.dec_lock_ref(state, match.last_page, False)
+        return mamba.free_state(state, slot)
+    full = tuple(sorted(state.full_free)[:need])
+    state = mamba.alloc(state, key, cached, full)
+    state = mamba.write_state(state, slot, key)
+    state, _, taken = mamba.insert(state, key, match.full_slots + full, slot)
+    leftover = tuple(f for f in full if f in state.held_full)
+    if leftover:
+        state = mamba.free(state, leftover)
+    if not taken:
+        state = mamba.free_state(state, slot)
+    state = mamba.dec_lock_ref(state, match.last_page, False)
+    if keep:
+        state = mamba.inc_lock_ref(state, mamba.match_prefix(state, key).last_page, True)
+    return state
+
+
+def make_mamba_state(factory: SymbolicFactory) -> MambaState:
+    """A reachable (FULL, MAMBA) state: requests, some held running, state evictions."""
+    page_size = _choice(factory, (1, 2), "_page_size")
+    config = MambaConfig(page_size=page_size, full_slots=6 * page_size, state_slots=3)
+    state = checked_mamba.initial(config)
+    requests = factory(int, "_requests")
+    for index in range(MAX_REQUESTS):
+        if index >= requests:
+            break
+        keep = _choice(factory, (False, True), f"_keep{index}")
+        state = _mamba_request(state, make_key(factory), keep)
+        candidates = sorted(state_candidates(state), key=lambda k: (-len(k.tokens), k.tokens))
+        if candidates and _choice(factory, (False, True), f"_evict{index}"):
+            state, _ = mamba.evict_states(state, 1, candidates[:1])
+    return deep_realize(state)
+
+
 def _traced(build):  # type: ignore[no-untyped-def]
     # CrossHair calls creators with tracing off; the builders branch on symbolic values,
     # which needs tracing back on.
@@ -249,9 +311,20 @@ def _concrete_swa_check(state: SwaState) -> list[str]:
 _original_swa_check = swa_invariants.check
 
 
+def _concrete_mamba_check(state: MambaState) -> list[str]:
+    """mamba_invariants.check on the realized state, outside the tracer (as above)."""
+    with NoTracing():
+        return _original_mamba_check(deep_realize(state))
+
+
+_original_mamba_check = mamba_invariants.check
+
+
 def register() -> None:
     register_patch(invariants.check, _concrete_check)
     register_type(Key, _traced(make_key))
     register_type(State, _traced(make_state))
     register_patch(swa_invariants.check, _concrete_swa_check)
     register_type(SwaState, _traced(make_swa_state))
+    register_patch(mamba_invariants.check, _concrete_mamba_check)
+    register_type(MambaState, _traced(make_mamba_state))

@@ -31,6 +31,12 @@ MODULES = [
     "hiradix_model.hybrid.match",
     "hiradix_model.hybrid.locks",
     "hiradix_model.hybrid.evict",
+    # The (FULL, MAMBA) cache (spec/13m).
+    "hiradix_model.mamba.pool",
+    "hiradix_model.mamba.insert",
+    "hiradix_model.mamba.match",
+    "hiradix_model.mamba.locks",
+    "hiradix_model.mamba.evict",
 ]
 
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
+from hiradix_model.component_args import require
+from hiradix_model.components import run_victims
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
-from hiradix_model.hybrid._args import require
 from hiradix_model.hybrid.invariants import check  # noqa: F401 (contracts)
 from hiradix_model.hybrid.state import SwaState, full_leaves, swa_candidates
-from hiradix_model.keys import Key, parent_page
+from hiradix_model.keys import Key
 
 
 def _delete(state: SwaState, page: Key) -> SwaState:
@@ -24,30 +25,6 @@ def _tombstone(state: SwaState, page: Key) -> SwaState:
     assert record.swa is not None
     pages = {**state.pages, page: replace(record, swa=None)}
     return replace(state, pages=pages, swa_free=state.swa_free | set(record.swa))
-
-
-def _run(state: SwaState, num_tokens: int, victims: Sequence[Key],
-         allowed: Callable[[SwaState], set[Key]], take: Callable[[SwaState, Key], SwaState],
-         freed: Callable[[SwaState, SwaState], int], enough: bool) -> tuple[SwaState, int]:
-    require(isinstance(num_tokens, int) and num_tokens >= 0, "num_tokens", "must be an int >= 0")
-    done = 0
-    previous: Key | None = None
-    for index, victim in enumerate(victims):
-        # Past the target only the rest of the previous victim's node may follow.
-        rest = previous is not None and parent_page(previous, state.config.page_size) == victim
-        if done >= num_tokens and not rest:
-            raise IllegalChoice(f"victims[{index}]: {victim} taken after {num_tokens} were "
-                                "freed; only the rest of the previous victim's node may follow")
-        if victim not in allowed(state):
-            raise IllegalChoice(f"victims[{index}]: {victim} may not be taken now")
-        after = take(state, victim)
-        done += freed(state, after)
-        state = after
-        previous = victim
-    if enough and done < num_tokens and allowed(state):
-        raise IllegalChoice(f"victims: freed {done} < {num_tokens} while "
-                            f"{len(allowed(state))} pages could still go")
-    return state, done
 
 
 def _full_freed(before: SwaState, after: SwaState) -> int:
@@ -66,7 +43,9 @@ def evict_full(state: SwaState, num_tokens: int, victims: Sequence[Key]) -> tupl
     post: __return__[1] == len(__return__[0].full_free) - len(state.full_free)
     raises: PreconditionError, IllegalChoice
     """
-    return _run(state, num_tokens, victims, full_leaves, _delete, _full_freed, True)
+    return run_victims(state, num_tokens, victims, argument="num_tokens",
+                       page_size=state.config.page_size, allowed=full_leaves, take=_delete,
+                       freed=_full_freed, enough=True)
 
 
 def _take_swa(state: SwaState, page: Key) -> SwaState:
@@ -87,4 +66,6 @@ def evict_swa(state: SwaState, num_tokens: int, victims: Sequence[Key],
     raises: PreconditionError, IllegalChoice
     """
     require(isinstance(enough, bool), "enough", "must be a bool")
-    return _run(state, num_tokens, victims, swa_candidates, _take_swa, _swa_freed, enough)
+    return run_victims(state, num_tokens, victims, argument="num_tokens",
+                       page_size=state.config.page_size, allowed=swa_candidates,
+                       take=_take_swa, freed=_swa_freed, enough=enough)

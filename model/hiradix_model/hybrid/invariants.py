@@ -6,33 +6,20 @@ violation; ``check`` returns the failing IDs, ``violations`` the descriptions.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 
+from hiradix_model.components import Invariants, expected_kv, one_page, partition
 from hiradix_model.hybrid.state import (
     SwaState,
-    expected_kv,
     owned_full,
     owned_swa,
     window_live,
 )
 from hiradix_model.keys import Key, page_keys, parent_page
 
-SwaPredicate = Callable[[SwaState], Iterator[str]]
-SWA_INVARIANTS: dict[str, SwaPredicate] = {}
-
-
-def swa_invariant(spec_id: str) -> Callable[[SwaPredicate], SwaPredicate]:
-    def register(predicate: SwaPredicate) -> SwaPredicate:
-        assert spec_id not in SWA_INVARIANTS, spec_id
-        SWA_INVARIANTS[spec_id] = predicate
-        return predicate
-
-    return register
-
-
-def _one_page(slots: tuple[int, ...], ps: int) -> bool:
-    return slots[0] % ps == 0 and all(s == slots[0] + i for i, s in enumerate(slots))
+_REGISTRY: Invariants[SwaState] = Invariants()
+swa_invariant = _REGISTRY
+SWA_INVARIANTS = _REGISTRY.predicates
 
 
 @swa_invariant("INV-SWA-TREE-WELL-FORMED")
@@ -47,7 +34,7 @@ def tree_well_formed(state: SwaState) -> Iterator[str]:
         for pool, slots in (("full", page.full), ("swa", page.swa)):
             if slots is None or not slots:
                 continue
-            if len(slots) != ps or not _one_page(slots, ps):
+            if not one_page(slots, ps):
                 yield f"{key}: {pool} slots {slots} are not the {ps} slots of one page in order"
 
 
@@ -58,33 +45,16 @@ def only_with_full(state: SwaState) -> Iterator[str]:
             yield f"{key}: cached without full KV (swa {page.swa})"
 
 
-def _partition(pool: str, size: int, parts: Iterable[tuple[str, Iterable[int]]]) -> Iterator[str]:
-    seen: Counter[int] = Counter()
-    where: dict[int, list[str]] = {}
-    for name, slots in parts:
-        for slot in slots:
-            seen[slot] += 1
-            where.setdefault(slot, []).append(name)
-    for slot, count in sorted(seen.items()):
-        if count > 1:
-            yield f"{pool} slot {slot} is in {count} places: {', '.join(where[slot])}"
-        if not 0 <= slot < size:
-            yield f"{pool} slot {slot} is outside the pool of {size}"
-    missing = set(range(size)) - set(seen)
-    if missing:
-        yield f"{pool} slots {sorted(missing)} are neither free, held nor owned (leaked)"
-
-
 @swa_invariant("INV-SWA-FULL-POOL")
 def full_pool(state: SwaState) -> Iterator[str]:
-    yield from _partition("full", state.config.full_slots, (
+    yield from partition("full", state.config.full_slots, (
         ("free", state.full_free), ("held", state.held), ("owned", owned_full(state))))
 
 
 @swa_invariant("INV-SWA-SWA-POOL")
 def swa_pool(state: SwaState) -> Iterator[str]:
     halves = (s for s in state.held.values() if s is not None)
-    yield from _partition("swa", state.config.swa_slots, (
+    yield from partition("swa", state.config.swa_slots, (
         ("free", state.swa_free), ("held", halves), ("owned", owned_swa(state))))
 
 
@@ -115,12 +85,12 @@ def locks(state: SwaState) -> Iterator[str]:
 
 def check(state: SwaState) -> list[str]:
     """The IDs of the invariants ``state`` violates, in spec order."""
-    return [i for i, predicate in SWA_INVARIANTS.items() if any(True for _ in predicate(state))]
+    return _REGISTRY.check(state)
 
 
 def violations(state: SwaState) -> list[str]:
     """Every violation, prefixed with its ID."""
-    return [f"{i}: {v}" for i, predicate in SWA_INVARIANTS.items() for v in predicate(state)]
+    return _REGISTRY.violations(state)
 
 
 def match_problems(state: SwaState, key: Key, page: Key | None) -> Iterator[str]:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hiradix_model.component_args import require
+from hiradix_model.components import require_cached
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
-from hiradix_model.hybrid._args import require, require_key
 from hiradix_model.hybrid.invariants import check  # noqa: F401 (contracts)
 from hiradix_model.hybrid.state import SwaState, root_path, window, window_live
 from hiradix_model.keys import Key
 
 
 def _require_page(state: SwaState, page: Key | None) -> None:
-    if page is not None:
-        require_key(page, "page")
-        require(page in state.pages, "page", "is not cached")
+    require_cached(state.pages, page)
 
 
 def _require_window_locked(state: SwaState, page: Key) -> None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hiradix_model.component_args import require_key
+from hiradix_model.components import cached_run
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
-from hiradix_model.hybrid._args import require_key
 from hiradix_model.hybrid.invariants import check  # noqa: F401 (contracts)
 from hiradix_model.hybrid.state import SwaState, window_live
-from hiradix_model.keys import Key, page_keys
+from hiradix_model.keys import Key
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,7 @@ def match_prefix(state: SwaState, key: Key) -> SwaMatch:
     raises: PreconditionError
     """
     require_key(key)
-    cached = []
-    for page in page_keys(key, state.config.page_size):
-        if page not in state.pages:
-            break
-        cached.append(page)
+    cached = cached_run(state.pages, key, state.config.page_size)
     while cached and not window_live(state, cached[-1]):
         cached.pop()
     slots = tuple(s for page in cached for s in state.pages[page].full)

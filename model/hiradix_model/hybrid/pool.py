@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hiradix_model.component_args import require, require_key, require_slots, require_whole_pages
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
-from hiradix_model.hybrid._args import require, require_key, require_slots, require_whole_pages
 from hiradix_model.hybrid.invariants import check  # noqa: F401 (contracts)
 from hiradix_model.hybrid.state import SwaState
 from hiradix_model.keys import Key, content_at

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from hiradix_model.components import path_to_root
 from hiradix_model.hybrid.config import SwaConfig
-from hiradix_model.keys import Key, content_at, parent_page
+from hiradix_model.keys import Key, parent_page
 
 
 @dataclass(frozen=True)
@@ -49,19 +50,9 @@ def initial(config: SwaConfig) -> SwaState:
     )
 
 
-def expected_kv(page: Key, offset: int, page_size: int) -> Key:
-    """The KV identity that slot ``offset`` of ``page`` must hold (in either pool)."""
-    return content_at(page, len(page.tokens) - page_size + offset)
-
-
 def root_path(state: SwaState, page: Key) -> list[Key]:
     """``page`` and its ancestors, deepest first."""
-    path: list[Key] = []
-    cursor: Key | None = page
-    while cursor is not None:
-        path.append(cursor)
-        cursor = parent_page(cursor, state.config.page_size)
-    return path
+    return path_to_root(page, state.config.page_size)
 
 
 def window(state: SwaState, page: Key) -> list[Key]:

@@ -1,4 +1,4 @@
-"""Argument checks shared by the hybrid operations (each raises PreconditionError)."""
+"""Argument checks shared by the component models (hybrid, mamba); each raises PreconditionError."""
 
 from __future__ import annotations
 
