@@ -40,6 +40,7 @@ check: setup
 # hiradix._slots.core); the pool, cache, transfer, regression and conformance tests run a
 # second time on the torch one (HIRADIX_CORE=python), the readable version of the same checks.
 PYTHON_CORE_TESTS := tests/impl/test_pools.py tests/impl/test_cache.py tests/impl/test_swa_cache.py \
+	tests/impl/test_mamba_cache.py \
 	tests/impl/test_transfer.py tests/impl/test_regressions.py tests/impl/test_conformance.py
 test: setup
 	$(BIN)/python -m coverage run -m pytest
