@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from hiradix.conformance.hybrid.machine import Build, make_swa_machine
 from hiradix_model.hybrid import SwaConfig
@@ -14,6 +15,19 @@ def bounded(examples: int) -> settings:
     """A fixed, derandomized run of ``examples`` examples of 30 steps."""
     return settings(max_examples=examples, stateful_step_count=30, deadline=None,
                     database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def run_until(machine: type[RuleBasedStateMachine], reached: Counter[str], goal: str, *,
+              examples: int = 15, batches: int = 4) -> None:
+    """Seeded batches of ``examples`` examples of ``machine`` until ``reached[goal]`` is
+    counted or ``batches`` ran. The seeds are fixed, so a run replays; unlike
+    ``derandomize`` they do not change with the machine's source, which would let an
+    unrelated edit move a rare state out of reach."""
+    options = settings(bounded(examples), derandomize=False)
+    for index in range(batches):
+        if reached[goal]:
+            return
+        seed(index)(get_state_machine_test(machine, settings=options))()
 
 
 def heal_a_locked_tombstone(build: Build, reached: Counter[str] | None = None) -> None:

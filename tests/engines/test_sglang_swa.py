@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hybrid_support import bounded, heal_a_locked_tombstone
+from hybrid_support import bounded, heal_a_locked_tombstone, run_until
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.adapters.sglang_swa import (
@@ -400,6 +400,5 @@ def test_sglang_with_hicache_refines_the_model(config: SwaConfig, policy: WriteP
         adapter.observe = counted  # type: ignore[method-assign]
         return adapter
 
-    run_state_machine_as_test(make_swa_machine(build_counting, config, reached),
-                              settings=bounded(15))
+    run_until(make_swa_machine(build_counting, config, reached), reached, "host-only")
     assert reached["checks"] > reached["examples"] and reached["host-only"]

@@ -9,16 +9,12 @@ and both evictions happen.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, seed, settings
-from hypothesis.reporting import with_reporter
-from hypothesis.stateful import get_state_machine_test
+from hypothesis.stateful import RuleBasedStateMachine
 
+from hiradix.conformance.batches import ComponentCampaign, run_batches
 from hiradix.conformance.hybrid.machine import Build, make_swa_machine
 from hiradix_model.hybrid import SwaConfig
 
@@ -33,19 +29,9 @@ def hybrid_configs(page_sizes: Sequence[int]) -> list[SwaConfig]:
             for ps in page_sizes for window in (1, ps + 1, 3 * ps)]
 
 
-@dataclass
-class HybridCampaign:
-    engine: str
-    configs: int = 0
-    reached: Counter[str] = field(default_factory=Counter)
-    failure: str | None = None  # the failing example as Hypothesis printed it, and why
-
-    def describe(self) -> str:
-        counts = ", ".join(f"{name} {self.reached[name]}" for name in REACH)
-        missed = [name for name in REACH if not self.reached[name]]
-        return (f"hybrid (FULL, SWA), engine {self.engine}: {self.reached['examples']} examples, "
-                f"{self.reached['checks']} checked steps over {self.configs} configurations; "
-                f"{counts}" + (f"; not reached: {', '.join(missed)}" if missed else ""))
+class HybridCampaign(ComponentCampaign):
+    components = "(FULL, SWA)"
+    reach = REACH
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,
@@ -57,26 +43,12 @@ def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until:
     failure. Under ``seeded`` each batch has its own
     seed, so that a seeded campaign replays (as far as its time reaches)."""
     result = HybridCampaign(engine)
-    configs = hybrid_configs(page_sizes)
-    for index in itertools.count():
-        if clock() >= until or (examples is not None and result.reached["examples"] >= examples):
-            break
-        config = configs[index % len(configs)]
-        result.configs = min(len(configs), index + 1)
-        machine = make_swa_machine(build, config, result.reached)
-        report: list[object] = []
-        options = settings(max_examples=batch, stateful_step_count=steps, deadline=None,
-                           database=None, suppress_health_check=list(HealthCheck),
-                           print_blob=False, derandomize=False)
-        test = get_state_machine_test(machine, settings=options)
-        if seeded is not None:
-            test = seed(seeded * 1_000_003 + index)(test)
-        try:
-            with with_reporter(report.append):
-                test()
-        except Exception as failure:  # the reporting boundary: a disagreement, a broken
-            # invariant, a choice the model refuses or a crash of the engine is a finding.
-            result.failure = "\n".join([f"configuration {config}", *map(str, report),
-                                        f"{type(failure).__name__}: {failure}"])
-            break
+
+    def machine(config: object) -> type[RuleBasedStateMachine]:
+        assert isinstance(config, SwaConfig)
+        return make_swa_machine(build, config, result.reached)
+
+    ran = run_batches(hybrid_configs(page_sizes), machine, result.reached, until=until,
+                      examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
+    result.configs, result.failure = ran.configs, ran.failure
     return result

@@ -16,9 +16,8 @@ eviction are inferred from the pages that went (deleted or tombstoned), deepest 
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
@@ -26,11 +25,11 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from hiradix.conformance.hybrid.abstraction import Codes, abstract, mapping_problems
 from hiradix.conformance.hybrid.engine import SwaEngine
+from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
 from hiradix_model import hybrid as model
-from hiradix_model.errors import IllegalChoice
 from hiradix_model.hybrid import SwaConfig, SwaState
-from hiradix_model.keys import content_at, parent_page
+from hiradix_model.keys import content_at
 
 Build = Callable[[SwaConfig], SwaEngine]
 tokens = st.lists(st.integers(1, 3), min_size=1, max_size=16).map(tuple)
@@ -52,7 +51,7 @@ def state_problems(engine_state: SwaState, expected: SwaState, node_locks: bool)
     for name in ("full_free", "swa_free", "held", "full_kv", "swa_kv"):
         mine, theirs = getattr(expected, name), getattr(engine_state, name)
         if mine != theirs:
-            problems.append(f"{name}: model {_diff(mine, theirs)}")
+            problems.append(f"{name}: model {diff(mine, theirs)}")
     for key in sorted(set(expected.pages) | set(engine_state.pages), key=lambda k: k.tokens):
         want, got = expected.pages.get(key), engine_state.pages.get(key)
         if want is None or got is None:
@@ -65,50 +64,11 @@ def state_problems(engine_state: SwaState, expected: SwaState, node_locks: bool)
     return problems
 
 
-def _diff(mine: object, theirs: object) -> str:
-    if isinstance(mine, (set, frozenset)) and isinstance(theirs, (set, frozenset)):
-        return f"only model {sorted(mine - theirs)}, only engine {sorted(theirs - mine)}"
-    if isinstance(mine, dict) and isinstance(theirs, dict):
-        keys = {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
-        return "; ".join(f"{k}: {mine.get(k)} vs {theirs.get(k)}" for k in sorted(keys)[:6])
-    return f"{mine} vs {theirs}"
-
-
-def victim_chains(before: SwaState, after: SwaState) -> list[list[Key]]:
-    """The pages an eviction took, cut into chains an engine takes in one go: a page,
-    then up its root path each parent taken the same way (tombstoned, or deleted) and
-    left with no other taken child -- the pages of one radix node, or a node and the
-    tombstone parents its deletion uncovered. Deepest chains first."""
-    ps = before.config.page_size
-    chains: list[list[Key]] = []
-    for pages in (
-        {k for k, p in before.pages.items()
-         if p.live and k in after.pages and not after.pages[k].live},
-        {k for k in before.pages if k not in after.pages},
-    ):
-        while pages:
-            cursor: Key | None = max(pages, key=lambda k: (len(k.tokens), k.tokens))
-            chain = []
-            while cursor in pages and not any(parent_page(k, ps) == cursor for k in pages):
-                chain.append(cursor)
-                pages.discard(cursor)
-                cursor = parent_page(cursor, ps)
-            chains.append(chain)
-    return chains
-
-
-# Orders of chains tried before giving up: every permutation up to this many chains (an
-# engine's eviction order is its policy's, which the model does not know, spec/13 13.6).
-MAX_PERMUTED = 6
-
-
-def victim_orders(chains: list[list[Key]]) -> Iterator[list[Key]]:
-    """Candidate victim sequences: the chains as found, then every other permutation
-    (up to ``MAX_PERMUTED`` chains)."""
-    yield [k for chain in chains for k in chain]
-    if len(chains) <= MAX_PERMUTED:
-        for order in itertools.islice(itertools.permutations(chains), 1, None):
-            yield [k for chain in order for k in chain]
+def taken_pages(before: SwaState, after: SwaState) -> list[set[Key]]:
+    """The pages an eviction tombstoned, and those it deleted."""
+    return [{k for k, p in before.pages.items()
+             if p.live and k in after.pages and not after.pages[k].live},
+            {k for k in before.pages if k not in after.pages}]
 
 
 def same_pages(state: SwaState, other: SwaState) -> bool:
@@ -164,26 +124,18 @@ def make_swa_machine(build: Build, config: SwaConfig,
             freed = (self.engine.evict_full if pool == "full" else self.engine.evict_swa)(
                 num_tokens)
             after = abstract(self.engine.observe(), config, self.codes)
-            chains = victim_chains(before, after)
-            # The first order of the chains the model accepts and that leaves the pages
-            # the engine left; else the model's objection to the chains as found.
-            objection: IllegalChoice | None = None
-            for victims in victim_orders(chains):
-                try:
-                    if pool == "full":
-                        state, want = model.evict_full(before, num_tokens, victims)
-                    else:
-                        state, want = model.evict_swa(before, num_tokens, victims,
-                                                      enough=not self.node_locks)
-                except IllegalChoice as illegal:
-                    objection = objection or illegal
-                    continue
-                if same_pages(state, after):
-                    break
-            else:
-                taken = [[k.tokens for k in chain] for chain in chains]
-                raise AssertionError(f"evict_{pool}({num_tokens}) = {freed} took {taken}: "
-                                     f"{objection or 'no order leaves the pages it left'}")
+            chains = victim_chains(taken_pages(before, after), config.page_size)
+
+            def model_evict(victims: list[Key]) -> tuple[SwaState, int]:
+                if pool == "full":
+                    return model.evict_full(before, num_tokens, victims)
+                return model.evict_swa(before, num_tokens, victims, enough=not self.node_locks)
+
+            try:
+                state, want, victims = accepted_order(
+                    chains, model_evict, lambda state: same_pages(state, after))
+            except NoOrder as refused:
+                raise AssertionError(f"evict_{pool}({num_tokens}) = {freed} {refused}") from None
             self.model = state
             seen[f"evict_{pool}"] += 1
             seen["victims"] += len(victims)

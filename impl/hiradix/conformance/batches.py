@@ -1,0 +1,86 @@
+"""Bounded campaigns of Hypothesis state machines: batches of examples until a deadline.
+
+The component campaigns (spec/13 and 13m) share this loop: cycle through configurations,
+run ``batch`` examples of each configuration's machine, stop at the deadline, at an
+example count or at the first failure, and seed every batch under a seeded campaign so
+that it replays as far as its time reaches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hypothesis import HealthCheck, seed, settings
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+
+
+@dataclass
+class ComponentCampaign:
+    """A campaign of one component machine: what it reached and its failure, if any.
+    Each kind names its components and what it should reach (the summary lists the
+    ones it did not)."""
+
+    components: ClassVar[str]
+    reach: ClassVar[tuple[str, ...]]
+    engine: str
+    configs: int = 0
+    reached: Counter[str] = field(default_factory=Counter)
+    failure: str | None = None  # the failing example as Hypothesis printed it, and why
+
+    def missed(self) -> list[str]:
+        return [name for name in self.reach if not self.reached[name]]
+
+    def describe(self) -> str:
+        counts = ", ".join(f"{name} {self.reached[name]}" for name in self.reach)
+        missed = self.missed()
+        return (f"hybrid {self.components}, engine {self.engine}: "
+                f"{self.reached['examples']} examples, {self.reached['checks']} checked "
+                f"steps over {self.configs} configurations; {counts}"
+                + (f"; not reached: {', '.join(missed)}" if missed else ""))
+
+
+@dataclass
+class Batches:
+    """What ran: the configurations reached and, at a failure, the failing example as
+    Hypothesis printed it and why."""
+
+    configs: int = 0
+    failure: str | None = None
+
+
+def run_batches(configs: Sequence[object],
+                machine: Callable[[object], type[RuleBasedStateMachine]],
+                reached: Counter[str], *, until: float, examples: int | None = None,
+                steps: int = 30, batch: int = 3, seeded: int | None = None,
+                clock: Callable[[], float] = time.monotonic) -> Batches:
+    """Run ``machine(config)`` for each configuration in turn, ``batch`` examples of
+    ``steps`` steps at a time, until ``until`` (on ``clock``) or until ``reached``
+    counts ``examples`` examples; stop at the first failure."""
+    result = Batches()
+    for index in itertools.count():
+        if clock() >= until or (examples is not None and reached["examples"] >= examples):
+            break
+        config = configs[index % len(configs)]
+        result.configs = min(len(configs), index + 1)
+        report: list[object] = []
+        options = settings(max_examples=batch, stateful_step_count=steps, deadline=None,
+                           database=None, suppress_health_check=list(HealthCheck),
+                           print_blob=False, derandomize=False)
+        test = get_state_machine_test(machine(config), settings=options)
+        if seeded is not None:
+            test = seed(seeded * 1_000_003 + index)(test)
+        try:
+            with with_reporter(report.append):
+                test()
+        except Exception as failure:  # the reporting boundary: a disagreement, a broken
+            # invariant, a choice the model refuses or a crash of the engine is a finding.
+            result.failure = "\n".join([f"configuration {config}", *map(str, report),
+                                        f"{type(failure).__name__}: {failure}"])
+            break
+    return result

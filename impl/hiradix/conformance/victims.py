@@ -1,0 +1,85 @@
+"""Inferring what an engine's eviction took, for the component machines (spec/13, 13m).
+
+An engine reports how much an eviction freed, not which pages. The machines compare the
+pages before and after, cut the pages taken into chains the engine takes in one go (a
+page, then up its root path each parent taken the same way with no other taken child:
+the pages of one radix node, or a node and the parents its deletion uncovered), and ask
+the model to accept some order of those chains (the engine's order is its policy's,
+which the model does not check).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+from hiradix_model import Key
+from hiradix_model.errors import IllegalChoice
+from hiradix_model.keys import parent_page
+
+S = TypeVar("S")
+
+# Orders of chains tried before giving up: every permutation up to this many chains.
+MAX_PERMUTED = 6
+
+
+def victim_chains(taken: Iterable[set[Key]], page_size: int) -> list[list[Key]]:
+    """Each set of pages taken the same way (say, tombstoned; deleted), cut into chains,
+    deepest chains first within each set."""
+    chains: list[list[Key]] = []
+    for group in taken:
+        pages = set(group)
+        while pages:
+            cursor: Key | None = max(pages, key=lambda k: (len(k.tokens), k.tokens))
+            chain = []
+            while cursor in pages and not any(parent_page(k, page_size) == cursor
+                                              for k in pages):
+                chain.append(cursor)
+                pages.discard(cursor)
+                cursor = parent_page(cursor, page_size)
+            chains.append(chain)
+    return chains
+
+
+def victim_orders(chains: list[list[Key]]) -> Iterator[list[Key]]:
+    """Candidate victim sequences: the chains as found, then every other permutation
+    (up to ``MAX_PERMUTED`` chains)."""
+    yield [k for chain in chains for k in chain]
+    if len(chains) <= MAX_PERMUTED:
+        for order in itertools.islice(itertools.permutations(chains), 1, None):
+            yield [k for chain in order for k in chain]
+
+
+class NoOrder(AssertionError):
+    """No order of the chains is one the model accepts and that leaves what the engine
+    left: the eviction took what it may not, or too little, or too much."""
+
+
+def accepted_order(chains: list[list[Key]], evict: Callable[[list[Key]], tuple[S, int]],
+                   same: Callable[[S], bool]) -> tuple[S, int, list[Key]]:
+    """The first order of ``chains`` that ``evict`` (the model's eviction with those
+    victims) accepts and whose result is ``same`` as the engine's: the model's state, what
+    it freed, the victims. Else ``NoOrder`` with the model's objection to the chains as
+    found."""
+    objection: IllegalChoice | None = None
+    for victims in victim_orders(chains):
+        try:
+            state, freed = evict(victims)
+        except IllegalChoice as illegal:
+            objection = objection or illegal
+            continue
+        if same(state):
+            return state, freed, victims
+    taken = [[k.tokens for k in chain] for chain in chains]
+    raise NoOrder(f"took {taken}: {objection or 'no order leaves the pages it left'}")
+
+
+def diff(mine: object, theirs: object) -> str:
+    """A short account of how two values of a state field differ."""
+    if isinstance(mine, (set, frozenset)) and isinstance(theirs, (set, frozenset)):
+        return f"only model {sorted(mine - theirs)}, only engine {sorted(theirs - mine)}"
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        keys = {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)}
+        return "; ".join(f"{k}: {mine.get(k)} vs {theirs.get(k)}" for k in sorted(keys)[:6])
+    return f"{mine} vs {theirs}"
