@@ -19,7 +19,11 @@ HYBRID_ENGINES: dict[str, tuple[str, str, str]] = {
     "sglang-swa-rust": ("hiradix.conformance.adapters.sglang_swa_rust", "build", "probe"),
     **{f"sglang-swa-hicache-{policy}": (_SGLANG, f"build_{policy}", "probe_hicache")
        for policy in ("write_through", "write_through_selective", "write_back")},
+    # vLLM's hybrid coordinator is no SwaEngine: hybrid.vllm_machine drives it per
+    # request (spec/13, 13.9), so it has a probe here and no SwaEngine builder.
+    "vllm-hybrid": ("hiradix.conformance.adapters.vllm_hybrid", "VllmHybrid", "probe"),
 }
+REQUEST_LEVEL = frozenset({"vllm-hybrid"})
 
 
 def probe(engine: str) -> str:
@@ -31,6 +35,9 @@ def probe(engine: str) -> str:
 
 def builder(engine: str) -> Build:
     """The constructor of fresh adapters of ``engine``, one per configuration."""
+    if engine in REQUEST_LEVEL:
+        raise ValueError(f"engine: {engine} is driven by hybrid.vllm_machine, not by the "
+                         f"SwaEngine machine")
     module, build_name, _ = HYBRID_ENGINES[engine]
     build: Build = getattr(importlib.import_module(module), build_name)
     return build
