@@ -17,13 +17,18 @@ import pytest
 from hiradix.conformance.adapters import EngineUnavailable, probe
 from hiradix.conformance.hybrid.engines import HYBRID_ENGINES
 from hiradix.conformance.hybrid.engines import probe as probe_hybrid
+from hiradix.conformance.mamba.engines import MAMBA_ENGINES
+from hiradix.conformance.mamba.engines import probe as probe_mamba
 
 
 def require(engine: str) -> str:
-    """The installed version of ``engine`` (an engine of the differential suite or a
-    hybrid one); skips or fails the calling test otherwise."""
+    """The installed version of ``engine`` (an engine of the differential suite, a
+    hybrid (FULL, SWA) one or a (FULL, MAMBA) one); skips or fails the calling test
+    otherwise."""
     required = set(filter(None, os.environ.get("HIRADIX_REQUIRE_ENGINES", "").split(",")))
     try:
+        if engine in MAMBA_ENGINES:
+            return probe_mamba(engine)
         return probe_hybrid(engine) if engine in HYBRID_ENGINES else probe(engine)
     except EngineUnavailable as unavailable:
         if engine in required or unavailable.kind == "api":

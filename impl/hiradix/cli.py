@@ -31,16 +31,24 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, probe, scenario_space
+from hiradix.conformance.batches import ComponentCampaign
 from hiradix.conformance.bench import add_arguments as bench_arguments
 from hiradix.conformance.bench import main as bench_main
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
-from hiradix.conformance.hybrid.campaign import REACH as HYBRID_REACH
 from hiradix.conformance.hybrid.campaign import HybridCampaign
 from hiradix.conformance.hybrid.campaign import run_campaign as run_hybrid_campaign
-from hiradix.conformance.hybrid.engines import HYBRID_ENGINES, builder
+from hiradix.conformance.hybrid.engines import HYBRID_ENGINES, REQUEST_LEVEL, builder
 from hiradix.conformance.hybrid.engines import probe as probe_hybrid
+from hiradix.conformance.hybrid.vllm_machine import (
+    run_vllm_hybrid_campaign,
+)
 from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
+from hiradix.conformance.mamba.campaign import MambaCampaign
+from hiradix.conformance.mamba.campaign import run_campaign as run_mamba_campaign
+from hiradix.conformance.mamba.engines import MAMBA_ENGINES
+from hiradix.conformance.mamba.engines import builder as mamba_builder
+from hiradix.conformance.mamba.engines import probe as probe_mamba
 from hiradix.conformance.outputs import (
     BadCommandLine,
     OneLineParser,
@@ -72,9 +80,9 @@ COPY_ENGINES = ("controlled", "cuda")  # ours, through the full conformance mach
 # its runs per example under --examples. A lockstep run of 60 steps takes about 0.1 s.
 RANK_SHARE = 0.1
 EXAMPLES_PER_RANK_RUN = 50
-# The share of a controlled campaign's budget the (FULL, SWA) hybrid campaign of ours
-# takes (spec/13), its examples per machine example under --examples, and the largest
-# page it draws (its requests are up to 16 tokens).
+# The share of a controlled campaign's budget the hybrid campaigns of ours take, half
+# (FULL, SWA) (spec/13), half (FULL, MAMBA) (spec/13m), their examples per machine example
+# under --examples, and the largest page they draw (requests are up to 16 tokens).
 HYBRID_SHARE = 0.15
 EXAMPLES_PER_HYBRID_EXAMPLE = 4
 HYBRID_MAX_PAGE = 4
@@ -232,21 +240,30 @@ def hybrid_page_sizes(page_sizes: Sequence[int]) -> list[int]:
     return [p for p in page_sizes if p <= HYBRID_MAX_PAGE] or [1]
 
 
-def hybrid_failed(campaign: HybridCampaign) -> int:
+def hybrid_failed(campaign: ComponentCampaign) -> int:
     """Print a hybrid campaign's failure (the shrunk steps and what broke); exit 1."""
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    print(f"FAILED: hybrid (FULL, SWA) campaign, engine {campaign.engine}\n{campaign.failure}",
-          flush=True)
+    print(f"FAILED: hybrid {campaign.components} campaign, engine {campaign.engine}\n"
+          f"{campaign.failure}", flush=True)
     return 1
 
 
 def run_hybrid(args: argparse.Namespace) -> int:
-    """``--engine ours-swa / sglang-swa``: the hybrid machine for the whole budget."""
+    """``--engine ours-swa / sglang-swa / ours-mamba / sglang-mamba …``: the hybrid
+    machine of spec/13 or the Mamba machine of spec/13m for the whole budget."""
     started = time.monotonic()
-    campaign = run_hybrid_campaign(
-        args.engine, builder(args.engine), args.page_sizes, until=started + args.seconds,
-        examples=args.examples, steps=args.steps, batch=args.batch, seeded=args.seed)
+    options = {"until": started + args.seconds, "examples": args.examples,
+               "steps": args.steps, "batch": args.batch, "seeded": args.seed}
+    campaign: ComponentCampaign
+    if args.engine in REQUEST_LEVEL:  # vLLM's coordinator, request by request (13.9)
+        campaign = run_vllm_hybrid_campaign(args.page_sizes, **options)
+    elif args.engine in MAMBA_ENGINES:
+        campaign = run_mamba_campaign(args.engine, mamba_builder(args.engine),
+                                      args.page_sizes, **options)
+    else:
+        campaign = run_hybrid_campaign(args.engine, builder(args.engine), args.page_sizes,
+                                       **options)
     if campaign.failure is not None:
         return hybrid_failed(campaign)
     if not campaign.reached["checks"]:
@@ -255,7 +272,7 @@ def run_hybrid(args: argparse.Namespace) -> int:
         return 2
     print(f"hiradix check: {campaign.describe()} ({time.monotonic() - started:.0f} s)",
           flush=True)
-    missed = [name for name in HYBRID_REACH if not campaign.reached[name]]
+    missed = campaign.missed()
     if args.require_coverage and missed:
         print(f"--require-coverage: never reached: {', '.join(missed)}", flush=True)
         return 1
@@ -263,7 +280,7 @@ def run_hybrid(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.engine in HYBRID_ENGINES:
+    if args.engine in HYBRID_ENGINES or args.engine in MAMBA_ENGINES:
         return run_hybrid(args)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
                        args.device, args.storage)
@@ -346,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     campaign = None
     hybrid: HybridCampaign | None = None
+    mamba: MambaCampaign | None = None
     if ranks:
         # Drawn from --seed where given, so that a seeded campaign replays.
         rng = random.Random(args.seed if args.seed is not None else random.getrandbits(64))
@@ -358,14 +376,22 @@ def run(args: argparse.Namespace) -> int:
                 print(file=sys.stderr)
             print(failure_report(campaign), flush=True)
             return 1
+        # The hybrid share: half to (FULL, SWA), half to (FULL, MAMBA).
+        swa_until = started + args.seconds * (1 - HYBRID_SHARE / 2)
+        examples = (None if args.examples is None
+                    else max(1, args.examples // EXAMPLES_PER_HYBRID_EXAMPLE))
         hybrid = run_hybrid_campaign(
             "ours-swa", builder("ours-swa"), hybrid_page_sizes(args.page_sizes),
-            until=started + args.seconds if args.examples is None else math.inf,
-            examples=(None if args.examples is None
-                      else max(1, args.examples // EXAMPLES_PER_HYBRID_EXAMPLE)),
-            steps=args.steps, seeded=args.seed)
+            until=swa_until if args.examples is None else math.inf,
+            examples=examples, steps=args.steps, seeded=args.seed)
         if hybrid.failure is not None:
             return hybrid_failed(hybrid)
+        mamba = run_mamba_campaign(
+            "ours-mamba", mamba_builder("ours-mamba"), hybrid_page_sizes(args.page_sizes),
+            until=started + args.seconds if args.examples is None else math.inf,
+            examples=examples, steps=args.steps, seeded=args.seed)
+        if mamba.failure is not None:
+            return hybrid_failed(mamba)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary(tally, covered, len(scenarios), time.monotonic() - started, args.engine)
@@ -375,9 +401,14 @@ def run(args: argparse.Namespace) -> int:
     print(hybrid.describe() if hybrid is not None else
           f"hybrid (FULL, SWA): not run for engine {args.engine} (spec/13 not exercised; "
           "--engine ours-swa or sglang-swa runs it)", flush=True)
+    print(mamba.describe() if mamba is not None else
+          f"hybrid (FULL, MAMBA): not run for engine {args.engine} (spec/13m not exercised; "
+          "--engine ours-mamba or sglang-mamba runs it)", flush=True)
     missed = unreached(tally, covered, args.engine)
     if hybrid is not None:
-        missed += [f"hybrid {name}" for name in HYBRID_REACH if not hybrid.reached[name]]
+        missed += [f"hybrid {name}" for name in hybrid.missed()]
+    if mamba is not None:
+        missed += [f"mamba {name}" for name in mamba.missed()]
     if tally.examples and not any(tally.exercised.values()):
         # A campaign in which no invariant had anything to check has checked nothing.
         print("hiradix check: no invariant had anything to check in any step: "
@@ -542,7 +573,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     check.add_argument("--storage", type=lambda v: v.split(","), default=list(STORAGE_NAMES),
                        help="the storage tiers of the matrix (ours only): none, memory, "
                             "file (default: all three)")
-    check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES, *HYBRID_ENGINES),
+    check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES, *HYBRID_ENGINES,
+                                            *MAMBA_ENGINES),
                        default="controlled",
                        help="controlled / cuda: ours through the full conformance machine "
                             "(copies finished in any order); the others: an engine through "
@@ -554,7 +586,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "vllm[-offload]: vLLM's prefix cache "
                             "[and CPU offload]; ours-swa, sglang-swa: a (FULL, SWA) hybrid "
                             "cache, ours or SGLang 0.5.23's UnifiedRadixCache, through the "
-                            "hybrid machine of spec/13)")
+                            "hybrid machine of spec/13; vllm-hybrid: vLLM's hybrid "
+                            "coordinator (full + sliding-window groups) request by request; "
+                            "ours-mamba, sglang-mamba: a (FULL, MAMBA) cache through the "
+                            "Mamba machine of spec/13m)")
     check.add_argument("--device", default="cpu")
     check.add_argument("--report", default=None, metavar="DIR",
                        help="write plots here: hit rate per tier over the requests served, "
@@ -703,9 +738,10 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
         if args.device == "cpu":
             args = replace_namespace(args, device="cuda")
     version = "hiradix"
-    if args.engine in HYBRID_ENGINES:
+    if args.engine in HYBRID_ENGINES or args.engine in MAMBA_ENGINES:
         try:
-            version = probe_hybrid(args.engine)
+            version = (probe_mamba(args.engine) if args.engine in MAMBA_ENGINES
+                       else probe_hybrid(args.engine))
         except EngineUnavailable as missing:
             raise UsageError(str(missing)) from None
         return replace_namespace(args, version=version,

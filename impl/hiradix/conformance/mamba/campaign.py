@@ -1,0 +1,52 @@
+"""A bounded campaign of the Mamba machine over (FULL, MAMBA) configurations.
+
+``hiradix check`` gives one a share of its budget for our cache and the whole budget for
+a Mamba engine (``--engine sglang-mamba``). Configurations vary the page size and keep
+both pools small (three or five states), so that allocations run short and both
+evictions happen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from hypothesis.stateful import RuleBasedStateMachine
+
+from hiradix.conformance.batches import ComponentCampaign, run_batches
+from hiradix.conformance.mamba.machine import Build, make_mamba_machine
+from hiradix_model.mamba import MambaConfig
+
+# What a campaign should reach; the summary lists the ones it did not.
+REACH = ("forks", "hits_on_a_state", "hits_past_the_state", "inserted_states",
+         "refilled_state_tombstones", "state_tombstones", "evict_full", "evict_states",
+         "state_short", "alloc_short", "release_state", "finish")
+
+
+def mamba_configs(page_sizes: Sequence[int]) -> list[MambaConfig]:
+    """Every configuration a campaign cycles through."""
+    return [MambaConfig(page_size=ps, full_slots=10 * ps, state_slots=states)
+            for ps in page_sizes for states in (3, 5)]
+
+
+class MambaCampaign(ComponentCampaign):
+    components = "(FULL, MAMBA)"
+    reach = REACH
+
+
+def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,
+                 examples: int | None = None, steps: int = 30, batch: int = 3,
+                 seeded: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> MambaCampaign:
+    """As the hybrid campaign: batches cycling through ``mamba_configs(page_sizes)``
+    until ``until`` or ``examples``; stops at the first failure."""
+    result = MambaCampaign(engine)
+
+    def machine(config: object) -> type[RuleBasedStateMachine]:
+        assert isinstance(config, MambaConfig)
+        return make_mamba_machine(build, config, result.reached)
+
+    ran = run_batches(mamba_configs(page_sizes), machine, result.reached, until=until,
+                      examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
+    result.configs, result.failure = ran.configs, ran.failure
+    return result

@@ -1,0 +1,112 @@
+"""The protocol a (FULL, MAMBA) cache speaks to the Mamba machine (spec/13, 13.11).
+
+A Mamba (recurrent, SSM) layer keeps no per-token KV: after a prefix it holds one
+fixed-size *state*. A cache of such a model keeps, beside each cached page's full
+attention KV, optionally the state after that page's root path, in a state pool. A request
+resumes only where a state is cached; the state it resumes from is copied into a slot of
+its own (copy on write), evolves there, and is handed to ``insert`` at the end of the key.
+
+An adapter drives one engine's cache in these terms and reads it back as a ``MambaView``;
+``hiradix.conformance.mamba.abstraction`` turns the view into the model's ``MambaState``
+and the machine compares them after every step. Slot ids are the engine's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hiradix_model import Key
+from hiradix_model.mamba import MambaConfig
+
+
+@dataclass(frozen=True)
+class MambaPageView:
+    """One cached page as the engine holds it."""
+
+    full: tuple[int, ...]  # its full-pool slots, one per token
+    state: int | None  # the state slot after this page's path; None: no state here
+    lock: int  # full locks on this page (a path lock counts on every page of the path)
+    state_lock: int  # state locks on this page (counted whether or not it holds a state)
+
+
+@dataclass(frozen=True)
+class MambaView:
+    """Everything of the engine's cache the abstraction reads."""
+
+    pages: Mapping[Key, MambaPageView]
+    full_free: frozenset[int]  # full slots an allocation could hand out
+    state_free: frozenset[int]  # state slots an allocation could hand out
+    full_kv: Mapping[int, int]  # full slot -> the code last written into it
+    state_kv: Mapping[int, int]  # state slot -> the code last written into it
+    own_check: str | None  # the engine's own consistency check: None if it passed, else why
+
+
+@dataclass(frozen=True)
+class MambaHit:
+    """What ``match_prefix`` answered."""
+
+    full: tuple[int, ...]  # full slots from the root to ``page``
+    page: Key | None  # the deepest matched page holding a state (None: the root)
+    full_hit: int  # tokens of the key whose full KV is cached (at least ``len(full)``)
+
+
+class MambaEngine(Protocol):
+    """One (FULL, MAMBA) cache under test. Receipts are opaque to the machine."""
+
+    name: str
+    version: str
+    config: MambaConfig
+
+    def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
+        """``num_tokens`` fresh full slots (whole pages), or None if out of room."""
+
+    def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
+        """Write ``codes[i]`` as the KV of full slot ``full_slots[i]``."""
+
+    def free(self, full_slots: Sequence[int]) -> None:
+        """Return caller-held full slots."""
+
+    def alloc_state(self) -> int | None:
+        """One fresh state slot for a request, or None if out of room."""
+
+    def write_state(self, slot: int, code: int) -> None:
+        """Write ``code`` as the state held in a caller-held state slot (the forward pass)."""
+
+    def free_state(self, slot: int) -> None:
+        """Return a caller-held state slot."""
+
+    def match_prefix(self, key: Key) -> MambaHit:
+        """The longest prefix of ``key`` a request can resume from. Changes nothing the
+        model reads (recency aside)."""
+
+    def fork(self, page: Key) -> int | None:
+        """Copy the state cached at ``page`` into a fresh caller-held slot (copy on
+        write); None if the pool has no room."""
+
+    def insert(self, key: Key, full_slots: Sequence[int], state: int) -> tuple[int, bool]:
+        """Cache ``key`` from these full slots with ``state`` (a caller-held slot holding
+        the state after ``key``) at its end. Returns the tokens already cached (their
+        slots stay the caller's) and whether the cache took ``state``."""
+
+    def lock(self, page: Key | None, with_state: bool) -> object:
+        """Lock the path of ``page`` (full) and, if ``with_state``, its state; a receipt."""
+
+    def release_state(self, receipt: object) -> None:
+        """Release only the state part of the lock behind ``receipt``."""
+
+    def unlock(self, receipt: object, state_released: bool) -> None:
+        """Release the lock behind ``receipt`` (its state part too unless released)."""
+
+    def evict_full(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` full tokens by deleting leaves; full tokens freed."""
+
+    def evict_states(self, num_states: int) -> int:
+        """Free at least ``num_states`` cached states; the number of state slots freed."""
+
+    def observe(self) -> MambaView:
+        """The engine's state now."""
+
+    def close(self) -> None:
+        """Release what the engine holds."""

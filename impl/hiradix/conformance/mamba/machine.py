@@ -1,0 +1,291 @@
+"""The Mamba machine: a (FULL, MAMBA) cache beside the model of spec/13m, checked after
+every engine call.
+
+Requests run as a scheduler runs them (13m.4): match, copy the matched state into a slot
+of the request's own (or start from a fresh one), lock the hit with its state, allocate
+full slots for the rest (evicting full KV or states when a pool is short), run the
+forward pass (KV written, the request's state moved to the end of its page-aligned
+key), insert the key with that state, free what the insert did not take, release the
+match lock, and -- for a request that goes on decoding -- match and lock the inserted
+key again. Running requests later release their state lock early or finish. Standalone
+evictions of either pool interleave.
+
+After every call the engine's view is abstracted and compared with the model's state;
+every model invariant holds on both, the engine's own check passes, and every match
+satisfies INV-MAMBA-MATCH-STATE. Victims of an eviction are inferred from the pages that
+went (deleted, or left without their state), deepest first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from hiradix.conformance.hybrid.abstraction import Codes
+from hiradix.conformance.mamba.abstraction import abstract
+from hiradix.conformance.mamba.engine import MambaEngine
+from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
+from hiradix_model import Key
+from hiradix_model import mamba as model
+from hiradix_model.keys import content_at
+from hiradix_model.mamba import MambaConfig, MambaState
+
+Build = Callable[[MambaConfig], MambaEngine]
+tokens = st.lists(st.integers(1, 3), min_size=1, max_size=12).map(tuple)
+
+
+@dataclass(frozen=True)
+class Running:
+    """A request that holds a lock on its inserted key while it decodes."""
+
+    page: Key | None
+    receipt: object
+    state_released: bool = False
+
+
+def state_problems(engine_state: MambaState, expected: MambaState) -> list[str]:
+    """Where the abstracted engine state differs from the model's."""
+    problems = []
+    for name in ("full_free", "state_free", "held_full", "held_states", "full_kv",
+                 "state_kv"):
+        mine, theirs = getattr(expected, name), getattr(engine_state, name)
+        if mine != theirs:
+            problems.append(f"{name}: model {diff(mine, theirs)}")
+    for key in sorted(set(expected.pages) | set(engine_state.pages), key=lambda k: k.tokens):
+        want, got = expected.pages.get(key), engine_state.pages.get(key)
+        if want != got:
+            problems.append(f"page {key.tokens}: model {want}, engine {got}")
+    return problems
+
+
+def taken_pages(before: MambaState, after: MambaState) -> list[set[Key]]:
+    """The pages an eviction left without their state, and those it deleted."""
+    return [{k for k, p in before.pages.items() if p.state is not None
+             and k in after.pages and after.pages[k].state is None},
+            {k for k in before.pages if k not in after.pages}]
+
+
+def same_pages(state: MambaState, other: MambaState) -> bool:
+    """The same cached pages, each with or without a state alike."""
+    return ({k: p.state is None for k, p in state.pages.items()}
+            == {k: p.state is None for k, p in other.pages.items()})
+
+
+def make_mamba_machine(build: Build, config: MambaConfig,
+                       reached: Counter[str] | None = None) -> type[RuleBasedStateMachine]:
+    """A machine class driving a fresh ``build(config)`` per example; ``reached`` counts
+    what the examples exercised (forks, state tombstones, refills, evictions, ...)."""
+    seen = reached if reached is not None else Counter()
+    ps = config.page_size
+
+    class MambaMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.engine = build(config)
+            self.model = model.initial(config)
+            self.kv_codes = Codes()
+            self.state_codes = Codes()
+            self.running: list[Running] = []
+            seen["examples"] += 1
+            self.check("the initial state")
+
+        def teardown(self) -> None:
+            self.engine.close()
+
+        # -- checking -------------------------------------------------------------------
+        def observed(self) -> MambaState:
+            return abstract(self.engine.observe(), config, self.kv_codes, self.state_codes)
+
+        def check(self, step: str) -> None:
+            seen["checks"] += 1
+            view = self.engine.observe()
+            problems = [f"engine's own check: {view.own_check}"] if view.own_check else []
+            engine_state = abstract(view, config, self.kv_codes, self.state_codes)
+            problems += [f"engine {v}" for v in model.violations(engine_state)]
+            problems += model.violations(self.model)
+            problems += state_problems(engine_state, self.model)
+            assert not problems, f"after {step}:\n  " + "\n  ".join(problems)
+
+        def match(self, key: Key) -> model.MambaMatch:
+            hit = self.engine.match_prefix(key)
+            want = model.match_prefix(self.model, key)
+            problems = list(model.match_problems(self.model, key, hit.page, hit.full_hit))
+            if (tuple(hit.full), hit.page) != (want.full_slots, want.last_page):
+                problems.append(f"engine {hit.page} {tuple(hit.full)}, model "
+                                f"{want.last_page} {want.full_slots}")
+            assert not problems, f"match_prefix({key.tokens}):\n  " + "\n  ".join(problems)
+            seen["hits_on_a_state"] += want.last_page is not None
+            seen["hits_past_the_state"] += want.full_hit > len(want.full_slots)
+            return want
+
+        # -- evictions ------------------------------------------------------------------
+        def evict(self, pool: str, target: int) -> None:
+            before = self.model
+            freed = (self.engine.evict_full if pool == "full" else self.engine.evict_states)(
+                target)
+            after = self.observed()
+            chains = victim_chains(taken_pages(before, after), ps)
+            evict = model.evict_full if pool == "full" else model.evict_states
+            try:
+                state, want, victims = accepted_order(
+                    chains, lambda victims: evict(before, target, victims),
+                    lambda state: same_pages(state, after))
+            except NoOrder as refused:
+                raise AssertionError(f"evict_{pool}({target}) = {freed} {refused}") from None
+            self.model = state
+            seen[f"evict_{pool}"] += 1
+            seen["victims"] += len(victims)
+            if pool == "states":
+                seen["state_tombstones"] += sum(k in after.pages for k in victims)
+            self.check(f"evict_{pool}({target}) = {freed}, victims "
+                       f"{[v.tokens for v in victims]}")
+            assert freed == want, f"evict_{pool}({target}) reported {freed}, freed {want}"
+
+        @rule(pages=st.integers(1, 4))
+        def evict_full(self, pages: int) -> None:
+            self.evict("full", pages * ps)
+
+        @rule(states=st.integers(1, 3))
+        def evict_states(self, states: int) -> None:
+            self.evict("states", states)
+
+        # -- a request --------------------------------------------------------------------
+        def state_slot(self, hit: model.MambaMatch, key: Key) -> int | None:
+            """The request's own state: a copy of the hit's (locked by now, so an
+            eviction for room cannot take it), or a fresh one; None if no room."""
+            page = hit.last_page
+
+            def take() -> int | None:
+                return self.engine.alloc_state() if page is None else self.engine.fork(page)
+
+            slot = take()
+            if slot is None:
+                seen["state_short"] += 1
+                self.evict("states", 1)
+                slot = take()
+            if slot is None:
+                return None
+            if page is not None:
+                self.model = model.fork(self.model, page, slot)
+                seen["forks"] += 1
+                self.check(f"fork({page.tokens}) = {slot}")
+            else:
+                empty = Key((), key.namespace)
+                self.model = model.alloc_state(self.model, slot, empty)
+                self.engine.write_state(slot, self.state_codes.code(empty))
+                self.check(f"alloc_state() = {slot}")
+            return slot
+
+        @rule(ids=tokens, keep=st.booleans(), early=st.booleans())
+        def serve(self, ids: tuple[int, ...], keep: bool, early: bool) -> None:
+            self.run_request(ids, keep, early)
+
+        @precondition(lambda self: any(r.page is not None for r in self.running))
+        @rule(data=st.data(), keep=st.booleans(), early=st.booleans())
+        def serve_shared(self, data: st.DataObject, keep: bool, early: bool) -> None:
+            """A request sharing a prefix of a running one's key (a system prompt)."""
+            page = data.draw(st.sampled_from([r.page for r in self.running
+                                              if r.page is not None]))
+            cut = data.draw(st.integers(1, len(page.tokens)))
+            self.run_request(page.tokens[:cut], keep, early)
+
+        def run_request(self, ids: tuple[int, ...], keep: bool, early: bool) -> None:
+            aligned = len(ids) - len(ids) % ps
+            if not aligned:
+                return
+            key = Key(ids[:aligned])
+            hit = self.match(key)
+            receipt = self.engine.lock(hit.last_page, True)
+            self.model = model.inc_lock_ref(self.model, hit.last_page, True)
+            self.check(f"lock({hit.last_page}, with_state=True)")
+            slot = self.state_slot(hit, key)
+            if slot is None:
+                seen["abandoned"] += 1
+                self.engine.unlock(receipt, False)
+                self.model = model.dec_lock_ref(self.model, hit.last_page, False)
+                self.check("unlock of a request with no state slot")
+                return
+            prefix = len(hit.full_slots)
+            need = aligned - prefix
+            full = self.engine.alloc(need) if need else ()
+            if full is None:
+                seen["alloc_short"] += 1
+                self.evict("full", need)
+                full = self.engine.alloc(need)
+            if full is None:
+                seen["abandoned"] += 1
+                self.engine.unlock(receipt, False)
+                self.model = model.dec_lock_ref(self.model, hit.last_page, False)
+                self.engine.free_state(slot)
+                self.model = model.free_state(self.model, slot)
+                self.check("unlock and free_state of an abandoned request")
+                return
+            self.model = model.alloc(self.model, key, prefix, full)
+            self.engine.write_kv(full, [self.kv_codes.code(content_at(key, prefix + i))
+                                        for i in range(len(full))])
+            self.engine.write_state(slot, self.state_codes.code(key))
+            self.model = model.write_state(self.model, slot, key)
+            self.check(f"alloc({need}) = {full} and the forward pass")
+            released = early and hit.last_page is not None
+            if released:
+                self.engine.release_state(receipt)
+                self.model = model.dec_state_lock(self.model, hit.last_page)
+                seen["release_state"] += 1
+                self.check(f"release_state({hit.last_page})")
+            slots = hit.full_slots + full
+            got = self.engine.insert(key, slots, slot)
+            self.model, prefix_len, taken = model.insert(self.model, key, slots, slot)
+            assert got == (prefix_len, taken), (
+                f"insert({ids}) returned {got}, the model ({prefix_len}, {taken})")
+            seen["inserted_states"] += taken
+            seen["refilled_state_tombstones"] += taken and prefix_len == aligned
+            leftover = tuple(f for f in full if f in self.model.held_full)
+            if leftover:
+                self.engine.free(leftover)
+                self.model = model.free(self.model, leftover)
+            if not taken:
+                self.engine.free_state(slot)
+                self.model = model.free_state(self.model, slot)
+            self.check(f"insert({key.tokens}, {slots}, state {slot}) = {got}, then "
+                       f"free({leftover}){'' if taken else f' and free_state({slot})'}")
+            self.engine.unlock(receipt, released)
+            self.model = model.dec_lock_ref(self.model, hit.last_page, released)
+            self.check(f"unlock({hit.last_page}, state_released={released})")
+            if keep:
+                again = self.match(key)
+                self.running.append(Running(again.last_page,
+                                            self.engine.lock(again.last_page, True)))
+                self.model = model.inc_lock_ref(self.model, again.last_page, True)
+                seen["running"] += 1
+                self.check(f"lock({again.last_page}) of a running request")
+
+        def releasable(self) -> list[int]:
+            return [i for i, r in enumerate(self.running)
+                    if not r.state_released and r.page is not None]
+
+        @precondition(lambda self: bool(self.releasable()))
+        @rule(data=st.data())
+        def release_state(self, data: st.DataObject) -> None:
+            index = data.draw(st.sampled_from(self.releasable()))
+            request = self.running[index]
+            self.engine.release_state(request.receipt)
+            self.model = model.dec_state_lock(self.model, request.page)
+            self.running[index] = replace(request, state_released=True)
+            seen["release_state"] += 1
+            self.check(f"release_state({request.page})")
+
+        @precondition(lambda self: bool(self.running))
+        @rule(data=st.data())
+        def finish(self, data: st.DataObject) -> None:
+            request = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
+            self.engine.unlock(request.receipt, request.state_released)
+            self.model = model.dec_lock_ref(self.model, request.page, request.state_released)
+            seen["finish"] += 1
+            self.check(f"unlock({request.page}, state_released={request.state_released})")
+
+    MambaMachine.__name__ = f"MambaMachine_{config.page_size}_{config.state_slots}"
+    return MambaMachine
