@@ -25,9 +25,13 @@ install_torch = { $(if $(filter $(TORCH_CPU_INDEX),$(TORCH_INDEX)),{ $(1)/pip in
 	--no-index $(TORCH_PIN) 2>/dev/null && $(1)/pip install -q $(TORCH_PIN); } ||) \
 	$(1)/pip install -q $(TORCH_PIN) --extra-index-url $(TORCH_INDEX); }
 
+# Triton for the in-place copy kernels (hiradix.kernels), whose index math the tests run
+# under Triton's interpreter on the CPU; a CUDA build of torch brings its own, kept.
+TRITON_PIN ?= triton==3.9.0
 $(VENV)/.installed: pyproject.toml setup.py impl/hiradix/_pagebits.c impl/hiradix/_tokens.c | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(call install_torch,$(BIN))
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q $(TRITON_PIN)
+	$(BIN)/pip install -q -e '.[test,triton]'
 	touch $@
 
 setup: $(VENV)/.installed

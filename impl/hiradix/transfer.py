@@ -8,7 +8,9 @@ complete in submission order (FIFO); the two directions are independent.
 Three engines share the queue bookkeeping of ``TransferEngine``:
 
 - ``SyncCopyEngine`` copies at submit time (CPU, or a CUDA device synchronously);
-- ``CudaCopyEngine`` copies on two dedicated CUDA streams, tracked by events;
+- ``CudaCopyEngine`` copies on two dedicated CUDA streams, tracked by events, either
+  through Triton gather/scatter kernels that read and write the pinned host pool in place
+  (``hiradix.kernels``, issue 33) or, where those are not available, through pinned staging;
 - ``ControlledCopyEngine`` copies only when a test says so, reading the source then.
 """
 
@@ -24,10 +26,13 @@ import torch
 from hiradix._slots import SlotError, check_int, is_int
 from hiradix.device_pool import DeviceKVPool, check_layer
 from hiradix.host_pool import HostKVPool, StagedCopy
+from hiradix.kernels import Copier, load_copier
+from hiradix.pool_pair import check_pool_pair
 
 Direction = Literal["d2h", "h2d"]
 DIRECTIONS: tuple[Direction, ...] = ("d2h", "h2d")
 EngineKind = Literal["auto", "sync", "cuda", "controlled"]
+CopyPath = Literal["auto", "triton", "staging"]
 
 
 def check_direction(direction: object) -> Direction:
@@ -62,16 +67,7 @@ class TransferEngine(ABC):
     """
 
     def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
-        if not isinstance(device_pool, DeviceKVPool):
-            raise SlotError("device_pool", f"must be a DeviceKVPool, got "
-                                           f"{type(device_pool).__name__}")
-        if not isinstance(host_pool, HostKVPool):
-            raise SlotError("host_pool", f"must be a HostKVPool, got {type(host_pool).__name__}")
-        reason = host_pool.mismatch(device_pool)
-        if reason is not None:
-            raise SlotError("host_pool", reason)
-        self.device_pool = device_pool
-        self.host_pool = host_pool
+        self.device_pool, self.host_pool = check_pool_pair(device_pool, host_pool)
         self._queues: dict[Direction, deque[Copy]] = {d: deque() for d in DIRECTIONS}
         self._next_ticket = 0
 
@@ -253,6 +249,14 @@ class ControlledCopyEngine(TransferEngine):
                                       "complete('h2d') first")
 
 
+def _mark(copy: Copy, stream: torch.cuda.Stream) -> None:
+    """Append to ``copy.events`` an event recorded on ``stream`` now: it fires when the
+    work enqueued so far there (the copy's last part) is done."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    copy.events.append(event)
+
+
 class CudaCopyEngine(TransferEngine):
     """Copies on two dedicated CUDA streams, one per direction, so they overlap compute.
 
@@ -268,12 +272,26 @@ class CudaCopyEngine(TransferEngine):
     Copies are ``non_blocking`` only when the host pool is pinned; otherwise they are
     correct but block the host. Every index and staging tensor stays referenced by its
     ``Copy`` until acknowledged.
+
+    With a ``copier`` (``hiradix.kernels.load_copier``: Triton kernels, pinned host pool)
+    the same two streams and events carry no staging at all: d2h is one kernel that gathers
+    the device rows and writes them into the host pool in place, so acknowledge only waits
+    for its event; h2d is one kernel per layer that reads the host rows in place and
+    scatters them on the device, each followed by that layer's event. The host bytes of an
+    h2d copy are then read when the stream runs, not at submit: the cache protects its
+    sources until acknowledgement (INV-TRANSFER-PINNED), so that is the same bytes.
     """
 
-    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool) -> None:
+    def __init__(self, device_pool: DeviceKVPool, host_pool: HostKVPool, *,
+                 copier: Copier | None = None) -> None:
         super().__init__(device_pool, host_pool)
         if device_pool.device.type != "cuda":
             raise SlotError("device_pool", f"must be on a CUDA device, got {device_pool.device}")
+        if copier is not None and not host_pool.pinned:
+            raise SlotError("copier", "needs a pinned host pool: it reads and writes the host "
+                                      "pool in place")
+        self._copier = copier
+        self.path: Literal["triton", "staging"] = "staging" if copier is None else "triton"
         self._device = device_pool.device
         self._non_blocking = host_pool.pinned
         self._streams: dict[Direction, torch.cuda.Stream] = {
@@ -285,24 +303,34 @@ class CudaCopyEngine(TransferEngine):
         produced.record(torch.cuda.current_stream(self._device))
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             stream.wait_event(produced)
-            if copy.direction == "d2h":
+            if self._copier is not None:
+                self._start_in_place(self._copier, copy, stream)
+            elif copy.direction == "d2h":
                 copy.staged = self.host_pool.begin_from_device(
                     self.device_pool, copy.device_slots, copy.host_slots,
                     non_blocking=self._non_blocking)
-                done = torch.cuda.Event()
-                done.record(stream)
-                copy.events.append(done)
+                _mark(copy, stream)
             else:
                 def layer_done(layer: int) -> None:
                     assert len(copy.events) == layer, "layers are reported in order"
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    copy.events.append(event)
+                    _mark(copy, stream)
 
                 copy.buffers = self.host_pool.copy_to_device(
                     self.device_pool, copy.host_slots, copy.device_slots,
                     non_blocking=self._non_blocking, on_layer=layer_done)
         # ``produced`` may go: a stream's wait binds to the event's state when it is issued.
+
+    def _start_in_place(self, copier: Copier, copy: Copy, stream: torch.cuda.Stream) -> None:
+        """``_start`` through the copier's kernels, on ``stream`` (the current one here)."""
+        prepared = copier.prepare(copy.device_slots, copy.host_slots)
+        copy.buffers = (prepared.device_index, prepared.host_index)
+        if copy.direction == "d2h":
+            copier.d2h(prepared)
+            _mark(copy, stream)
+            return
+        for layer in range(self.device_pool.layers):
+            copier.h2d_layer(prepared, layer)
+            _mark(copy, stream)  # what wait_layer(ticket, layer) makes the current stream await
 
     def _is_complete(self, copy: Copy) -> bool:
         return bool(copy.events[-1].query())
@@ -325,17 +353,33 @@ class CudaCopyEngine(TransferEngine):
             torch.cuda.current_stream(self._device).wait_event(copy.events[layer])
 
 
-def make_engine(kind: EngineKind, device_pool: DeviceKVPool,
-                host_pool: HostKVPool) -> TransferEngine:
+def make_engine(kind: EngineKind, device_pool: DeviceKVPool, host_pool: HostKVPool, *,
+                copy_path: CopyPath = "auto") -> TransferEngine:
     """An engine over the two pools; ``auto`` is ``cuda`` for a CUDA device pool, else
-    ``sync``."""
+    ``sync``. ``copy_path`` picks how the ``cuda`` engine moves bytes: ``triton`` (the
+    in-place kernels; an error where they cannot run), ``staging``, or ``auto`` (Triton
+    where ``hiradix.kernels.load_copier`` gives a copier, else staging). Other engines have
+    one path, so they take only ``auto``."""
     if kind not in ("auto", "sync", "cuda", "controlled"):
         raise SlotError("kind", f"must be 'auto', 'sync', 'cuda' or 'controlled', got {kind!r}")
+    if copy_path not in ("auto", "triton", "staging"):
+        raise SlotError("copy_path", f"must be 'auto', 'triton' or 'staging', got "
+                                     f"{copy_path!r}")
     if kind == "auto":
         on_cuda = isinstance(device_pool, DeviceKVPool) and device_pool.device.type == "cuda"
         kind = "cuda" if on_cuda else "sync"
+    if kind != "cuda" and copy_path != "auto":
+        raise SlotError("copy_path", f"only the cuda engine has copy paths; the {kind} "
+                                     f"engine takes 'auto', got {copy_path!r}")
     if kind == "cuda":
-        return CudaCopyEngine(device_pool, host_pool)
+        copier = None
+        if copy_path != "staging" and isinstance(device_pool, DeviceKVPool) \
+                and isinstance(host_pool, HostKVPool):
+            loaded = load_copier(device_pool, host_pool)
+            if isinstance(loaded, str) and copy_path == "triton":
+                raise SlotError("copy_path", f"'triton' cannot run here: {loaded}")
+            copier = None if isinstance(loaded, str) else loaded
+        return CudaCopyEngine(device_pool, host_pool, copier=copier)
     if kind == "controlled":
         return ControlledCopyEngine(device_pool, host_pool)
     return SyncCopyEngine(device_pool, host_pool)

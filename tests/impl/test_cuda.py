@@ -1,5 +1,8 @@
 """CudaCopyEngine on a CUDA device pool with a pinned host pool (skipped without CUDA).
 
+Each engine test runs on both copy paths (issue 33): ``triton`` (the kernels read and write
+the pinned host pool in place; skipped where Triton does not import) and ``staging``.
+
 The ordering checks put a long run of matmuls on the current (compute) stream before the
 KV is written and the copy submitted: a copy stream that failed to wait for that work would
 read the KV before the compute stream wrote it, which the byte comparison shows. (No
@@ -14,6 +17,7 @@ import torch
 from hiradix._slots import SlotError
 from hiradix.device_pool import DeviceKVPool, KVLayout
 from hiradix.host_pool import HostKVPool, HostLayout
+from hiradix.kernels import load_copier, triton_missing
 from hiradix.transfer import CudaCopyEngine, SyncCopyEngine, make_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -29,6 +33,21 @@ def pools(layout: HostLayout = "layer_first", kv_layout: KVLayout = "mha",
                           device="cuda")
     host = HostKVPool.for_device(device, ratio=2, layout=layout, pin_memory=pin_memory)
     return device, host
+
+
+@pytest.fixture(params=["staging", "triton"])
+def copy_path(request: pytest.FixtureRequest) -> str:
+    missing = triton_missing() if request.param == "triton" else None
+    if missing is not None:
+        pytest.skip(missing)
+    return str(request.param)
+
+
+def cuda_engine(device: DeviceKVPool, host: HostKVPool, path: str) -> CudaCopyEngine:
+    engine = make_engine("cuda", device, host,
+                         copy_path="triton" if path == "triton" else "staging")
+    assert isinstance(engine, CudaCopyEngine) and engine.path == path
+    return engine
 
 
 def pages(*ids: int) -> torch.Tensor:
@@ -60,14 +79,21 @@ def test_defaults_pin_and_auto_picks_cuda() -> None:
     device, host = pools()
     assert host.pinned and host.kv.is_pinned()
     assert device.kv.is_cuda and device.device.index is not None
-    assert type(make_engine("auto", device, host)) is CudaCopyEngine
+    engine = make_engine("auto", device, host)
+    assert type(engine) is CudaCopyEngine
+    assert engine.path == ("staging" if triton_missing() else "triton")
+    copier = load_copier(device, host)
+    if not isinstance(copier, str):
+        with pytest.raises(SlotError) as raised:
+            CudaCopyEngine(device, pools(pin_memory=False)[1], copier=copier)
+        assert raised.value.argument == "copier"
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("kv_layout", ["mha", "mla"])
-def test_d2h_fifo_and_bytes(layout: HostLayout, kv_layout: KVLayout) -> None:
+def test_d2h_fifo_and_bytes(layout: HostLayout, kv_layout: KVLayout, copy_path: str) -> None:
     device, host = pools(layout, kv_layout)
-    engine = CudaCopyEngine(device, host)
+    engine = cuda_engine(device, host, copy_path)
     first, second = values(device, 2 * P, 1), values(device, P, 2)
     device.write(pages(3, 1), first)
     device.write(pages(7), second)
@@ -88,9 +114,10 @@ def test_d2h_fifo_and_bytes(layout: HostLayout, kv_layout: KVLayout) -> None:
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("kv_layout", ["mha", "mla"])
-def test_h2d_wait_layer_then_acknowledge(layout: HostLayout, kv_layout: KVLayout) -> None:
+def test_h2d_wait_layer_then_acknowledge(layout: HostLayout, kv_layout: KVLayout,
+                                         copy_path: str) -> None:
     device, host = pools(layout, kv_layout)
-    engine = CudaCopyEngine(device, host)
+    engine = cuda_engine(device, host, copy_path)
     expected = values(host, 2 * P, 3)
     host.write(pages(5, 9), expected)
     target = pages(2, 6)
@@ -108,9 +135,33 @@ def test_h2d_wait_layer_then_acknowledge(layout: HostLayout, kv_layout: KVLayout
     assert raised.value.argument == "layer"
 
 
-def test_wait_layer_rejects_d2h_tickets() -> None:
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_loose_slots_go_both_ways(layout: HostLayout, copy_path: str) -> None:
+    """Slots that are no whole pages (the kernels' slot-by-slot addressing), a partial
+    page at the end, in random order."""
+    device, host = pools(layout)
+    engine = cuda_engine(device, host, copy_path)
+    generator = torch.Generator().manual_seed(11)
+    source = torch.randperm(device.num_slots, generator=generator)[:2 * P + 1]
+    middle = torch.randperm(host.num_slots, generator=generator)[:2 * P + 1]
+    target = torch.randperm(device.num_slots, generator=generator)[:2 * P + 1]
+    expected = values(device, 2 * P + 1, 12)
+    device.write(source, expected)
+    engine.submit("d2h", source, middle)
+    torch.cuda.synchronize()
+    engine.acknowledge("d2h", 1)
+    assert torch.equal(host.read(middle), expected)
+    ticket = engine.submit("h2d", target, middle)
+    for layer in range(LAYERS):
+        engine.wait_layer(ticket, layer)
+    torch.cuda.synchronize()
+    engine.acknowledge("h2d", 1)
+    assert torch.equal(device.read(target).cpu(), expected)
+
+
+def test_wait_layer_rejects_d2h_tickets(copy_path: str) -> None:
     device, host = pools()
-    engine = CudaCopyEngine(device, host)
+    engine = cuda_engine(device, host, copy_path)
     ticket = engine.submit("d2h", pages(0), pages(0))
     with pytest.raises(SlotError) as raised:
         engine.wait_layer(ticket, 0)
@@ -119,9 +170,9 @@ def test_wait_layer_rejects_d2h_tickets() -> None:
     engine.acknowledge("d2h", 1)
 
 
-def test_d2h_waits_for_prior_compute_stream_writes() -> None:
+def test_d2h_waits_for_prior_compute_stream_writes(copy_path: str) -> None:
     device, host = pools()
-    engine = CudaCopyEngine(device, host)
+    engine = cuda_engine(device, host, copy_path)
     source, target = device.alloc(8 * P), host.alloc(8 * P)
     assert source is not None and target is not None
     for busy, seed in ((False, 4), (True, 5)):  # the first round warms the allocators
@@ -137,9 +188,9 @@ def test_d2h_waits_for_prior_compute_stream_writes() -> None:
         assert torch.equal(host.read(target), expected)
 
 
-def test_h2d_waits_for_prior_compute_stream_work() -> None:
+def test_h2d_waits_for_prior_compute_stream_work(copy_path: str) -> None:
     device, host = pools()
-    engine = CudaCopyEngine(device, host)
+    engine = cuda_engine(device, host, copy_path)
     for busy, seed in ((False, 6), (True, 7)):  # the first round warms the allocators
         expected = values(host, P, seed)
         host.write(pages(1), expected)
@@ -153,9 +204,9 @@ def test_h2d_waits_for_prior_compute_stream_work() -> None:
         assert torch.equal(device.read(pages(4)).cpu(), expected)
 
 
-def test_interleaved_directions_are_independent() -> None:
+def test_interleaved_directions_are_independent(copy_path: str) -> None:
     device, host = pools()
-    engine = CudaCopyEngine(device, host)
+    engine = cuda_engine(device, host, copy_path)
     device.write(pages(0), values(device, P, 6))
     host.write(pages(3), values(host, P, 7))
     d = engine.submit("d2h", pages(0), pages(8))
@@ -168,9 +219,9 @@ def test_interleaved_directions_are_independent() -> None:
     assert torch.equal(device.read(pages(9)).cpu(), values(host, P, 7))
 
 
-def test_reset_drains_copies_in_flight() -> None:
+def test_reset_drains_copies_in_flight(copy_path: str) -> None:
     device, host = pools()
-    engine = CudaCopyEngine(device, host)
+    engine = cuda_engine(device, host, copy_path)
     expected = values(host, P, 8)
     host.write(pages(2), expected)
     torch.cuda.synchronize()
