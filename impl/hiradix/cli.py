@@ -57,8 +57,14 @@ from hiradix.conformance.outputs import (
     check_file,
 )
 from hiradix.conformance.plots import PlotsUnavailable, pyplot, write_check_report
-from hiradix.conformance.rank_campaign import describe, failure_report, run_rank_campaign
+from hiradix.conformance.rank_campaign import (
+    RankCampaign,
+    describe,
+    failure_report,
+    run_rank_campaign,
+)
 from hiradix.conformance.ranks import RANK_INVARIANTS
+from hiradix.conformance.results import CampaignResult, CheckResults, counts, write_results
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.show import show_main
 from hiradix.conformance.storage_machine import STORAGE_SWARM_RULES, make_storage_machine
@@ -240,6 +246,16 @@ def hybrid_page_sizes(page_sizes: Sequence[int]) -> list[int]:
     return [p for p in page_sizes if p <= HYBRID_MAX_PAGE] or [1]
 
 
+def component_result(campaign: ComponentCampaign, version: str,
+                     seconds: float) -> CampaignResult:
+    return CampaignResult(
+        name=f"hybrid {campaign.components}", engine=campaign.engine, version=version,
+        seconds=seconds, examples=campaign.reached["examples"],
+        steps=campaign.reached["checks"], configurations=campaign.configs,
+        reached=counts(campaign.reached, campaign.reach), unreached=campaign.missed(),
+        failure=campaign.failure)
+
+
 def hybrid_failed(campaign: ComponentCampaign) -> int:
     """Print a hybrid campaign's failure (the shrunk steps and what broke); exit 1."""
     if sys.stderr.isatty():
@@ -249,7 +265,7 @@ def hybrid_failed(campaign: ComponentCampaign) -> int:
     return 1
 
 
-def run_hybrid(args: argparse.Namespace) -> int:
+def run_hybrid(args: argparse.Namespace, results: CheckResults) -> int:
     """``--engine ours-swa / sglang-swa / ours-mamba / sglang-mamba …``: the hybrid
     machine of spec/13 or the Mamba machine of spec/13m for the whole budget."""
     started = time.monotonic()
@@ -264,6 +280,7 @@ def run_hybrid(args: argparse.Namespace) -> int:
     else:
         campaign = run_hybrid_campaign(args.engine, builder(args.engine), args.page_sizes,
                                        **options)
+    results.add(component_result(campaign, args.version, time.monotonic() - started))
     if campaign.failure is not None:
         return hybrid_failed(campaign)
     if not campaign.reached["checks"]:
@@ -279,9 +296,32 @@ def run_hybrid(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def machine_result(args: argparse.Namespace, tally: Tally, covered: set[Scenario],
+                   seconds: float, failure: str | None = None,
+                   script: str | None = None) -> CampaignResult:
+    """The two-tier (or an engine's differential) campaign as a ``CampaignResult``."""
+    return CampaignResult(
+        name="two-tier" if args.engine in COPY_ENGINES else "differential",
+        engine=args.engine, version=args.version, seconds=seconds,
+        examples=tally.examples, steps=tally.checks, configurations=len(covered),
+        reached={**dict(sorted(tally.ops.items())),
+                 **{spec_id: tally.exercised[spec_id] for spec_id in EXERCISED}},
+        unreached=unreached(tally, covered, args.engine), failure=failure,
+        reproducer=script)
+
+
+def rank_result(campaign: RankCampaign, seconds: float) -> CampaignResult:
+    return CampaignResult(
+        name="ranks", engine="controlled", version="hiradix", seconds=seconds,
+        examples=sum(campaign.runs.values()), steps=campaign.steps,
+        configurations=len(campaign.runs),
+        reached={"collectives": campaign.collectives, "overruled": campaign.overruled},
+        failure=failure_report(campaign) if campaign.failed is not None else None)
+
+
+def run(args: argparse.Namespace, results: CheckResults) -> int:
     if args.engine in HYBRID_ENGINES or args.engine in MAMBA_ENGINES:
-        return run_hybrid(args)
+        return run_hybrid(args, results)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
                        args.device, args.storage)
     tally = Tally()
@@ -343,11 +383,15 @@ def run(args: argparse.Namespace) -> int:
         except SkipTest:  # nothing left to run: the time was simply up
             break
         except TimeUp:  # the replay of the failure ran out of time too
+            results.add(machine_result(args, tally, covered, time.monotonic() - started,
+                                       failure=f"an example failed on {scenario}; the time "
+                                               "ran out before it was shrunk or replayed"))
             return lost_failure(args, scenario)
         except Exception as failure:  # the reporting boundary: every
             # failure of the machine (a disagreement, an invariant, an illegal choice, a
             # crash) is a finding to print with its reproducer, then exit 1.
-            return report_failure(args, scenario, tally, failure, report, cut_short)
+            return report_failure(args, scenario, tally, failure, report, cut_short,
+                                  results, time.monotonic() - started, covered)
         covered.add(scenario)
         if cut_short:
             break
@@ -368,9 +412,12 @@ def run(args: argparse.Namespace) -> int:
         # Drawn from --seed where given, so that a seeded campaign replays.
         rng = random.Random(args.seed if args.seed is not None else random.getrandbits(64))
         rank_until = started + args.seconds * (1 - HYBRID_SHARE)
+        results.add(machine_result(args, tally, covered, time.monotonic() - started))
+        part_started = time.monotonic()
         campaign = (run_rank_campaign(rng, until=rank_until)
                     if args.examples is None else
                     run_rank_campaign(rng, runs=max(1, args.examples // EXAMPLES_PER_RANK_RUN)))
+        results.add(rank_result(campaign, time.monotonic() - part_started))
         if campaign.failed is not None:
             if sys.stderr.isatty():
                 print(file=sys.stderr)
@@ -380,18 +427,24 @@ def run(args: argparse.Namespace) -> int:
         swa_until = started + args.seconds * (1 - HYBRID_SHARE / 2)
         examples = (None if args.examples is None
                     else max(1, args.examples // EXAMPLES_PER_HYBRID_EXAMPLE))
+        part_started = time.monotonic()
         hybrid = run_hybrid_campaign(
             "ours-swa", builder("ours-swa"), hybrid_page_sizes(args.page_sizes),
             until=swa_until if args.examples is None else math.inf,
             examples=examples, steps=args.steps, seeded=args.seed)
+        results.add(component_result(hybrid, "hiradix", time.monotonic() - part_started))
         if hybrid.failure is not None:
             return hybrid_failed(hybrid)
+        part_started = time.monotonic()
         mamba = run_mamba_campaign(
             "ours-mamba", mamba_builder("ours-mamba"), hybrid_page_sizes(args.page_sizes),
             until=started + args.seconds if args.examples is None else math.inf,
             examples=examples, steps=args.steps, seeded=args.seed)
+        results.add(component_result(mamba, "hiradix", time.monotonic() - part_started))
         if mamba.failure is not None:
             return hybrid_failed(mamba)
+    if not ranks:
+        results.add(machine_result(args, tally, covered, time.monotonic() - started))
     if sys.stderr.isatty():
         print(file=sys.stderr)
     summary(tally, covered, len(scenarios), time.monotonic() - started, args.engine)
@@ -453,7 +506,8 @@ def lost_failure(args: argparse.Namespace, scenario: Scenario) -> int:
 
 
 def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
-                   failure: Exception, report: list[str], cut_short: bool) -> int:
+                   failure: Exception, report: list[str], cut_short: bool,
+                   results: CheckResults, seconds: float, covered: set[Scenario]) -> int:
     """Print a failure with its reproducer (shrunk, or as far as the time allowed);
     write the reproducer and the trace where asked. Returns the exit status, 1."""
     if sys.stderr.isatty():
@@ -465,6 +519,9 @@ def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
     script = reproducer(scenario, report + list(getattr(failure, "__notes__", [])),
                         args.engine)
     print(f"FAILED on {scenario}\n{type(failure).__name__}: {failure}\n", flush=True)
+    results.add(machine_result(args, tally, covered, seconds,
+                               failure=f"FAILED on {scenario}\n{type(failure).__name__}: "
+                                       f"{failure}", script=script))
     if cut_short:
         print(f"(--seconds {args.seconds:g} ran out in this batch: the reproducer is shrunk "
               "only as far as the time allowed)", flush=True)
@@ -609,6 +666,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="on a failure, write the shrunk example as a JSONL trace here")
     bench = sub.add_parser("bench", help="ours against SGLang's caches on serving workloads")
     bench_arguments(bench)
+    check.add_argument("--json", default=None, metavar="FILE",
+                       help="write what each campaign ran, reached and found (failures with "
+                            "their reproducers) as JSON, for a CI")
+    check.add_argument("--junit", default=None, metavar="FILE",
+                       help="write the campaigns as JUnit XML test suites (a failed campaign "
+                            "is a failed test case), for a CI's test report")
     check.add_argument("--record", default=None,
                        help="after a clean run, write the last example as a JSONL trace here")
     replay_cmd = sub.add_parser("replay", help="check a JSONL trace against the model")
@@ -711,6 +774,7 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
                          f"{too_large[0]}")
     _budget("--seconds", args.seconds)
     _outputs((check_directory, "--report", args.report), (check_file, "--record", args.record),
+             (check_file, "--json", args.json), (check_file, "--junit", args.junit),
              (check_file, "--reproducer", args.reproducer), (check_file, "--trace", args.trace),
              # Hypothesis drops a save it cannot write without a word: a failure cut
              # short could then not be replayed from it.
@@ -804,7 +868,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as usage:
         print(f"hiradix check: {usage}", file=sys.stderr)
         return 2
-    return run(args)
+    results = CheckResults(given)
+    results.exit_status = run(args, results)
+    written = write_results(results, args.json, args.junit)
+    if written:
+        print(f"(results: {', '.join(written)})", flush=True)
+    return results.exit_status
 
 
 def replace_namespace(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
