@@ -47,8 +47,10 @@ from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_mach
 from hiradix.conformance.mamba.campaign import MambaCampaign
 from hiradix.conformance.mamba.campaign import run_campaign as run_mamba_campaign
 from hiradix.conformance.mamba.engines import MAMBA_ENGINES
+from hiradix.conformance.mamba.engines import REQUEST_LEVEL as MAMBA_REQUEST_LEVEL
 from hiradix.conformance.mamba.engines import builder as mamba_builder
 from hiradix.conformance.mamba.engines import probe as probe_mamba
+from hiradix.conformance.mamba.vllm_machine import run_vllm_mamba_campaign
 from hiradix.conformance.outputs import (
     BadCommandLine,
     OneLineParser,
@@ -274,6 +276,8 @@ def run_hybrid(args: argparse.Namespace, results: CheckResults) -> int:
     campaign: ComponentCampaign
     if args.engine in REQUEST_LEVEL:  # vLLM's coordinator, request by request (13.9)
         campaign = run_vllm_hybrid_campaign(args.page_sizes, **options)
+    elif args.engine in MAMBA_REQUEST_LEVEL:  # vLLM's Mamba groups per request (13m.8a)
+        campaign = run_vllm_mamba_campaign(args.page_sizes, **options)
     elif args.engine in MAMBA_ENGINES:
         campaign = run_mamba_campaign(args.engine, mamba_builder(args.engine),
                                       args.page_sizes, **options)
@@ -646,7 +650,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "hybrid machine of spec/13; vllm-hybrid: vLLM's hybrid "
                             "coordinator (full + sliding-window groups) request by request; "
                             "ours-mamba, sglang-mamba: a (FULL, MAMBA) cache through the "
-                            "Mamba machine of spec/13m)")
+                            "Mamba machine of spec/13m; vllm-mamba: vLLM's coordinator "
+                            "with a Mamba group (align mode) request by request)")
     check.add_argument("--device", default="cpu")
     check.add_argument("--report", default=None, metavar="DIR",
                        help="write plots here: hit rate per tier over the requests served, "

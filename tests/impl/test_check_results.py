@@ -71,7 +71,7 @@ def test_a_failure_is_a_failed_case_with_its_reproducer(
 
 
 def test_a_component_engine_run_is_one_campaign(tmp_path: Path) -> None:
-    json_path, junit_path, flags = outputs(tmp_path)
+    json_path, _, flags = outputs(tmp_path)
     assert cli.main(["check", "--engine", "ours-mamba", *SHORT, *flags]) == 0
     run = json.loads(json_path.read_text())
     [campaign] = run["campaigns"]

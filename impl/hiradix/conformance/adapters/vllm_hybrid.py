@@ -136,25 +136,30 @@ class VllmHybrid:
     name = "vllm-hybrid"
 
     def __init__(self, setup: HybridSetup) -> None:
+        self.setup = setup
+        swa = _modules()["spec"].SlidingWindowSpec(
+            block_size=setup.page_size, num_kv_heads=1, head_size=1, dtype=_float16(),
+            sliding_window=setup.window)
+        self.build_manager(setup.page_size, setup.num_blocks, ("swa.0", swa))
+
+    def build_manager(self, page_size: int, num_blocks: int, second: tuple[str, Any]) -> None:
+        """A ``KVCacheManager`` over a full-attention group and ``second`` (its layer name
+        and spec) drawing on one pool of ``num_blocks`` blocks (the null block aside)."""
         m = _modules()
         self.version = probe()
-        self.setup = setup
-        ps = self.ps = setup.page_size
-        dtype = _float16()
+        ps = self.ps = page_size
         full = m["spec"].FullAttentionSpec(block_size=ps, num_kv_heads=1, head_size=1,
-                                           dtype=dtype)
-        swa = m["spec"].SlidingWindowSpec(block_size=ps, num_kv_heads=1, head_size=1,
-                                          dtype=dtype, sliding_window=setup.window)
+                                           dtype=_float16())
         groups = [m["spec"].KVCacheGroupSpec(["full.0"], full),
-                  m["spec"].KVCacheGroupSpec(["swa.0"], swa)]
-        kv_config = m["spec"].KVCacheConfig(num_blocks=setup.num_blocks + 1,
+                  m["spec"].KVCacheGroupSpec([second[0]], second[1])]
+        kv_config = m["spec"].KVCacheConfig(num_blocks=num_blocks + 1,
                                             kv_cache_tensors=[], kv_cache_groups=groups)
         self.manager = m["manager"].KVCacheManager(kv_config, max_model_len=MAX_MODEL_LEN,
                                                    scheduler_block_size=ps,
                                                    hash_block_size=ps, enable_caching=True)
         coordinator = self.manager.coordinator
         if not isinstance(coordinator, m["coordinator"].HybridKVCacheCoordinator):
-            raise TypeError(f"vllm-hybrid: vLLM built a {type(coordinator).__name__}, not "
+            raise TypeError(f"{self.name}: vLLM built a {type(coordinator).__name__}, not "
                             f"the HybridKVCacheCoordinator")
         self.pool = self.manager.block_pool
         self.hasher = m["utils"].get_request_block_hasher(ps, m["hash_fn"])
