@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from hypothesis import HealthCheck, seed, settings
 from hypothesis.reporting import with_reporter
@@ -83,4 +83,21 @@ def run_batches(configs: Sequence[object],
             result.failure = "\n".join([f"configuration {config}", *map(str, report),
                                         f"{type(failure).__name__}: {failure}"])
             break
+    return result
+
+
+C = TypeVar("C", bound=ComponentCampaign)
+
+
+def run_campaign_of(result: C, configs: Sequence[object],
+                    machine: Callable[[object, Counter[str]], type[RuleBasedStateMachine]],
+                    *, until: float, examples: int | None = None, steps: int = 30,
+                    batch: int = 3, seeded: int | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> C:
+    """``run_batches`` over ``configs`` with ``machine(config, result.reached)``,
+    recorded into ``result``."""
+    ran = run_batches(configs, lambda config: machine(config, result.reached), result.reached,
+                      until=until, examples=examples, steps=steps, batch=batch,
+                      seeded=seeded, clock=clock)
+    result.configs, result.failure = ran.configs, ran.failure
     return result

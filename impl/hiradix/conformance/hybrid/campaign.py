@@ -12,14 +12,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from hypothesis.stateful import RuleBasedStateMachine
-
-from hiradix.conformance.batches import ComponentCampaign, run_batches
+from hiradix.conformance.batches import ComponentCampaign, run_campaign_of
 from hiradix.conformance.hybrid.machine import Build, make_swa_machine
 from hiradix_model.hybrid import SwaConfig
 
 # What a campaign should reach; the summary lists the ones it did not.
-REACH = ("healed", "healed_keeping_full", "inserted_tombstones", "tombstoned",
+REACH: tuple[str, ...] = ("healed", "healed_keeping_full", "inserted_tombstones", "tombstoned",
          "evict_full", "evict_swa", "alloc_short", "release_swa", "finish")
 
 
@@ -42,13 +40,12 @@ def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until:
     (on ``clock``) or, given ``examples``, until that many ran; stops at the first
     failure. Under ``seeded`` each batch has its own
     seed, so that a seeded campaign replays (as far as its time reaches)."""
-    result = HybridCampaign(engine)
+    return run_campaign_of(
+        HybridCampaign(engine), hybrid_configs(page_sizes),
+        lambda config, reached: make_swa_machine(build, _swa(config), reached),
+        until=until, examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
 
-    def machine(config: object) -> type[RuleBasedStateMachine]:
-        assert isinstance(config, SwaConfig)
-        return make_swa_machine(build, config, result.reached)
 
-    ran = run_batches(hybrid_configs(page_sizes), machine, result.reached, until=until,
-                      examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
-    result.configs, result.failure = ran.configs, ran.failure
-    return result
+def _swa(config: object) -> SwaConfig:
+    assert isinstance(config, SwaConfig)
+    return config

@@ -8,9 +8,8 @@ replayed example always meets the same policy.
 
 from __future__ import annotations
 
-import importlib
-
 from hiradix.conformance.hybrid.machine import Build
+from hiradix.conformance.registry import EngineRegistry
 
 _SGLANG = "hiradix.conformance.adapters.sglang_swa"
 HYBRID_ENGINES: dict[str, tuple[str, str, str]] = {
@@ -25,19 +24,7 @@ HYBRID_ENGINES: dict[str, tuple[str, str, str]] = {
 }
 REQUEST_LEVEL = frozenset({"vllm-hybrid"})
 
-
-def probe(engine: str) -> str:
-    """The installed version of ``engine``; ``EngineUnavailable`` if it cannot run here."""
-    module, _, probe_name = HYBRID_ENGINES[engine]
-    version: str = getattr(importlib.import_module(module), probe_name)()
-    return version
-
-
-def builder(engine: str) -> Build:
-    """The constructor of fresh adapters of ``engine``, one per configuration."""
-    if engine in REQUEST_LEVEL:
-        raise ValueError(f"engine: {engine} is driven by hybrid.vllm_machine, not by the "
-                         f"SwaEngine machine")
-    module, build_name, _ = HYBRID_ENGINES[engine]
-    build: Build = getattr(importlib.import_module(module), build_name)
-    return build
+_REGISTRY: EngineRegistry[Build] = EngineRegistry(
+    HYBRID_ENGINES, REQUEST_LEVEL, "hybrid.vllm_machine", "SwaEngine")
+probe = _REGISTRY.probe
+builder = _REGISTRY.builder

@@ -41,7 +41,7 @@ from hiradix.conformance.adapters.vllm_hybrid import (
     VllmHybrid,
     cdiv,
 )
-from hiradix.conformance.batches import run_batches
+from hiradix.conformance.batches import run_campaign_of
 from hiradix.conformance.hybrid.campaign import HybridCampaign
 from hiradix_model import Key
 from hiradix_model import hybrid as model
@@ -56,7 +56,7 @@ SHARED_POOL_INVARIANTS = ("INV-SWA-TREE-WELL-FORMED", "INV-SWA-ONLY-WITH-FULL",
 MAX_TOKENS = 24  # a request finishes once this long (prompt and decoded tokens)
 prompts = st.lists(st.integers(1, 3), min_size=1, max_size=16).map(tuple)
 # What a campaign should reach; the summary lists the ones it did not.
-REACH = ("hit", "hit_cut_by_window", "healed", "window_release", "evicted_full",
+REACH: tuple[str, ...] = ("hit", "hit_cut_by_window", "healed", "window_release", "evicted_full",
          "evicted_swa", "swa_without_full", "refused", "preempted", "finish")
 
 
@@ -427,13 +427,10 @@ def run_vllm_hybrid_campaign(page_sizes: Sequence[int], *, until: float,
                              ) -> VllmHybridCampaign:
     """Batches of ``batch`` examples cycling through the setups until ``until`` (or
     ``examples`` ran); stops at the first failure (``batches.run_batches``)."""
-    result = VllmHybridCampaign("vllm-hybrid")
-
-    def machine(setup: object) -> type[RuleBasedStateMachine]:
+    def machine(setup: object, reached: Counter[str]) -> type[RuleBasedStateMachine]:
         assert isinstance(setup, HybridSetup)
-        return make_vllm_hybrid_machine(setup, result.reached, build)
+        return make_vllm_hybrid_machine(setup, reached, build)
 
-    ran = run_batches(vllm_hybrid_setups(page_sizes), machine, result.reached, until=until,
-                      examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
-    result.configs, result.failure = ran.configs, ran.failure
-    return result
+    return run_campaign_of(VllmHybridCampaign("vllm-hybrid"), vllm_hybrid_setups(page_sizes),
+                           machine, until=until, examples=examples, steps=steps, batch=batch,
+                           seeded=seeded, clock=clock)

@@ -11,14 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from hypothesis.stateful import RuleBasedStateMachine
-
-from hiradix.conformance.batches import ComponentCampaign, run_batches
+from hiradix.conformance.batches import ComponentCampaign, run_campaign_of
 from hiradix.conformance.mamba.machine import Build, make_mamba_machine
 from hiradix_model.mamba import MambaConfig
 
 # What a campaign should reach; the summary lists the ones it did not.
-REACH = ("forks", "hits_on_a_state", "hits_past_the_state", "inserted_states",
+REACH: tuple[str, ...] = ("forks", "hits_on_a_state", "hits_past_the_state", "inserted_states",
          "refilled_state_tombstones", "state_tombstones", "evict_full", "evict_states",
          "state_short", "alloc_short", "release_state", "finish")
 
@@ -40,13 +38,12 @@ def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until:
                  clock: Callable[[], float] = time.monotonic) -> MambaCampaign:
     """As the hybrid campaign: batches cycling through ``mamba_configs(page_sizes)``
     until ``until`` or ``examples``; stops at the first failure."""
-    result = MambaCampaign(engine)
+    return run_campaign_of(
+        MambaCampaign(engine), mamba_configs(page_sizes),
+        lambda config, reached: make_mamba_machine(build, _mamba(config), reached),
+        until=until, examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
 
-    def machine(config: object) -> type[RuleBasedStateMachine]:
-        assert isinstance(config, MambaConfig)
-        return make_mamba_machine(build, config, result.reached)
 
-    ran = run_batches(mamba_configs(page_sizes), machine, result.reached, until=until,
-                      examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
-    result.configs, result.failure = ran.configs, ran.failure
-    return result
+def _mamba(config: object) -> MambaConfig:
+    assert isinstance(config, MambaConfig)
+    return config

@@ -7,9 +7,8 @@ configuration (spec/13m).
 
 from __future__ import annotations
 
-import importlib
-
 from hiradix.conformance.mamba.machine import Build
+from hiradix.conformance.registry import EngineRegistry
 
 MAMBA_ENGINES: dict[str, tuple[str, str, str]] = {
     "ours-mamba": ("hiradix.conformance.adapters.ours_mamba", "build", "probe"),
@@ -20,19 +19,7 @@ MAMBA_ENGINES: dict[str, tuple[str, str, str]] = {
 }
 REQUEST_LEVEL = frozenset({"vllm-mamba"})
 
-
-def probe(engine: str) -> str:
-    """The installed version of ``engine``; ``EngineUnavailable`` if it cannot run here."""
-    module, _, probe_name = MAMBA_ENGINES[engine]
-    version: str = getattr(importlib.import_module(module), probe_name)()
-    return version
-
-
-def builder(engine: str) -> Build:
-    """The constructor of fresh adapters of ``engine``, one per configuration."""
-    if engine in REQUEST_LEVEL:
-        raise ValueError(f"engine: {engine} is driven by mamba.vllm_machine, not by the "
-                         f"MambaEngine machine")
-    module, build_name, _ = MAMBA_ENGINES[engine]
-    build: Build = getattr(importlib.import_module(module), build_name)
-    return build
+_REGISTRY: EngineRegistry[Build] = EngineRegistry(
+    MAMBA_ENGINES, REQUEST_LEVEL, "mamba.vllm_machine", "MambaEngine")
+probe = _REGISTRY.probe
+builder = _REGISTRY.builder

@@ -41,7 +41,7 @@ from hiradix.conformance.adapters.vllm_mamba import (
     MambaView,
     VllmMamba,
 )
-from hiradix.conformance.batches import ComponentCampaign, run_batches
+from hiradix.conformance.batches import ComponentCampaign, run_campaign_of
 from hiradix.conformance.hybrid.vllm_machine import (
     MAX_TOKENS,
     Expected,
@@ -59,7 +59,7 @@ from hiradix_model.mamba import MambaPage, MambaState
 SHARED_POOL_INVARIANTS = ("INV-MAMBA-TREE-WELL-FORMED", "INV-MAMBA-CONTENT",
                           "INV-MAMBA-LOCKS")
 # What a campaign should reach; the summary lists the ones it did not.
-REACH = ("hit", "hit_cut_to_state", "chunk_cut", "state_released", "evicted_full",
+REACH: tuple[str, ...] = ("hit", "hit_cut_to_state", "chunk_cut", "state_released", "evicted_full",
          "evicted_state", "state_without_full", "same_step_refused", "refused",
          "preempted", "finish")
 
@@ -410,13 +410,10 @@ def run_vllm_mamba_campaign(page_sizes: Sequence[int], *, until: float,
                             ) -> VllmMambaCampaign:
     """Batches of ``batch`` examples cycling through the setups until ``until`` (or
     ``examples`` ran); stops at the first failure (``batches.run_batches``)."""
-    result = VllmMambaCampaign("vllm-mamba")
-
-    def machine(setup: object) -> type[RuleBasedStateMachine]:
+    def machine(setup: object, reached: Counter[str]) -> type[RuleBasedStateMachine]:
         assert isinstance(setup, MambaSetup)
-        return make_vllm_mamba_machine(setup, result.reached, build)
+        return make_vllm_mamba_machine(setup, reached, build)
 
-    ran = run_batches(vllm_mamba_setups(page_sizes), machine, result.reached, until=until,
-                      examples=examples, steps=steps, batch=batch, seeded=seeded, clock=clock)
-    result.configs, result.failure = ran.configs, ran.failure
-    return result
+    return run_campaign_of(VllmMambaCampaign("vllm-mamba"), vllm_mamba_setups(page_sizes),
+                           machine, until=until, examples=examples, steps=steps, batch=batch,
+                           seeded=seeded, clock=clock)
