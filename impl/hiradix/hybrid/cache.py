@@ -14,6 +14,13 @@ from typing import NamedTuple
 import torch
 
 from hiradix._slots import is_int
+from hiradix.component_args import (
+    check_cache_config,
+    check_count,
+    check_page_runs,
+    check_tokens,
+    read_tick,
+)
 from hiradix.config import KVShape
 from hiradix.errors import (
     ConfigError,
@@ -26,7 +33,7 @@ from hiradix.errors import (
 from hiradix.hybrid.checker import violations
 from hiradix.hybrid.evict import evict_full, evict_swa
 from hiradix.hybrid.node import SwaNode
-from hiradix.hybrid.pools import NO_PAIR, SwaPools, check_page_runs
+from hiradix.hybrid.pools import NO_PAIR, SwaPools
 from hiradix.hybrid.tree import SwaTree
 
 
@@ -36,27 +43,6 @@ class SwaMatch(NamedTuple):
 
     full_slots: torch.Tensor
     last_node: SwaNode
-
-
-def check_tokens(tokens: object, argument: str) -> tuple[int, ...]:
-    """A key's token ids: a list or tuple of ints (not bools)."""
-    if not isinstance(tokens, list | tuple):
-        raise InvalidArgument(argument, f"must be a list or tuple of ints, got "
-                                        f"{type(tokens).__name__}")
-    for index, token in enumerate(tokens):
-        if not is_int(token):
-            raise InvalidArgument(argument, f"[{index}] must be an int, got "
-                                            f"{type(token).__name__}")
-    return tuple(tokens)
-
-
-def check_count(value: object, argument: str) -> int:
-    if not is_int(value):
-        raise InvalidArgument(argument, f"must be an int, got {type(value).__name__}")
-    assert isinstance(value, int)
-    if value < 0:
-        raise InvalidArgument(argument, f"must be >= 0, got {value}")
-    return value
 
 
 class SwaCache:
@@ -70,19 +56,10 @@ class SwaCache:
     def __init__(self, *, page_size: int, full_slots: int, swa_slots: int, window: int,
                  clock: Callable[[], int], kv: KVShape | None = None,
                  device: torch.device | str = "cpu") -> None:
-        if not is_int(page_size) or page_size < 1:
-            raise ConfigError("page_size", f"must be an int >= 1, got {page_size!r}")
-        for name, value in (("full_slots", full_slots), ("swa_slots", swa_slots)):
-            if not is_int(value) or value < page_size or value % page_size:
-                raise ConfigError(name, f"must be a positive multiple of page_size "
-                                        f"{page_size}, got {value!r}")
+        check_cache_config(page_size, {"full_slots": full_slots, "swa_slots": swa_slots},
+                           clock, kv)
         if not is_int(window) or window < 1:
             raise ConfigError("window", f"must be an int >= 1 (tokens), got {window!r}")
-        if not callable(clock):
-            raise ConfigError("clock", f"must be a callable returning an int tick, got "
-                                       f"{type(clock).__name__}")
-        if kv is not None and not isinstance(kv, KVShape):
-            raise ConfigError("kv", f"must be a KVShape, got {type(kv).__name__}")
         self.page_size = page_size
         self.window = window
         self.window_pages = -(-window // page_size)
@@ -96,11 +73,7 @@ class SwaCache:
         return self.tree.root
 
     def _tick(self) -> int:
-        """Read the clock (after the arguments are checked, before any change)."""
-        tick = self.clock()
-        if not is_int(tick):
-            raise ConfigError("clock", f"returned {tick!r}, not an int tick")
-        return tick
+        return read_tick(self.clock)
 
     def _check_node(self, node: object) -> SwaNode:
         if not self.tree.owns(node):

@@ -19,29 +19,12 @@ from collections.abc import Sequence
 import torch
 
 from hiradix._slots import SlotMarks, check_slot_tensor
+from hiradix.component_args import check_page_runs
 from hiradix.config import KVShape
 from hiradix.device_pool import DeviceKVPool
 from hiradix.errors import SlotError
 
 NO_PAIR = -1  # a mapping entry for a full slot without an SWA half
-
-
-def check_page_runs(slots: torch.Tensor, page_size: int, argument: str) -> None:
-    """Each run of ``page_size`` entries is one pool page's slots in order (R7 of spec/03;
-    INV-SWA-TREE-WELL-FORMED needs it of every copy the tree takes)."""
-    if slots.numel() % page_size:
-        raise SlotError(argument, f"length {slots.numel()} is not whole pages of {page_size}")
-    if page_size == 1 or slots.numel() == 0:
-        return
-    groups = slots.view(-1, page_size)
-    first = groups[:, 0]
-    offsets = torch.arange(page_size, dtype=torch.int64)
-    whole = (first % page_size == 0) & (groups == first[:, None] + offsets).all(dim=1)
-    if not bool(whole.all()):
-        index = int((~whole).nonzero()[0])
-        raise SlotError(argument, f"entries [{index * page_size}, {(index + 1) * page_size}) "
-                                  f"= {groups[index].tolist()} are not one page's slots in "
-                                  "order")
 
 
 class SwaPools:

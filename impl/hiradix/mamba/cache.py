@@ -14,6 +14,13 @@ from typing import NamedTuple
 import torch
 
 from hiradix._slots import is_int
+from hiradix.component_args import (
+    check_cache_config,
+    check_count,
+    check_page_runs,
+    check_tokens,
+    read_tick,
+)
 from hiradix.config import KVShape
 from hiradix.errors import (
     ConfigError,
@@ -23,8 +30,6 @@ from hiradix.errors import (
     NotLocked,
     SlotError,
 )
-from hiradix.hybrid.cache import check_count, check_tokens
-from hiradix.hybrid.pools import check_page_runs
 from hiradix.mamba.checker import Violation, violations
 from hiradix.mamba.evict import evict_full, evict_states
 from hiradix.mamba.node import MambaNode
@@ -57,22 +62,13 @@ class MambaCache:
                  clock: Callable[[], int], kv: KVShape | None = None, state_dim: int = 4,
                  state_dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", checksums: bool = True) -> None:
-        if not is_int(page_size) or page_size < 1:
-            raise ConfigError("page_size", f"must be an int >= 1, got {page_size!r}")
-        if not is_int(full_slots) or full_slots < page_size or full_slots % page_size:
-            raise ConfigError("full_slots", f"must be a positive multiple of page_size "
-                                            f"{page_size}, got {full_slots!r}")
+        check_cache_config(page_size, {"full_slots": full_slots}, clock, kv)
         for name, value in (("state_slots", state_slots), ("state_dim", state_dim)):
             if not is_int(value) or value < 1:
                 raise ConfigError(name, f"must be an int >= 1, got {value!r}")
         if not isinstance(state_dtype, torch.dtype) or not state_dtype.is_floating_point:
             raise ConfigError("state_dtype", f"must be a floating-point torch.dtype, got "
                                              f"{state_dtype!r}")
-        if not callable(clock):
-            raise ConfigError("clock", f"must be a callable returning an int tick, got "
-                                       f"{type(clock).__name__}")
-        if kv is not None and not isinstance(kv, KVShape):
-            raise ConfigError("kv", f"must be a KVShape, got {type(kv).__name__}")
         if not isinstance(checksums, bool):
             raise ConfigError("checksums", f"must be a bool, got {type(checksums).__name__}")
         self.page_size = page_size
@@ -88,11 +84,7 @@ class MambaCache:
         return self.tree.root
 
     def _tick(self) -> int:
-        """Read the clock (after the arguments are checked, before any change)."""
-        tick = self.clock()
-        if not is_int(tick):
-            raise ConfigError("clock", f"returned {tick!r}, not an int tick")
-        return tick
+        return read_tick(self.clock)
 
     def _check_node(self, node: object) -> MambaNode:
         if not self.tree.owns(node):

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from hiradix._slots import PageAllocator, SlotMarks, check_slot_tensor, is_int
+from hiradix.component_args import check_page_runs
 from hiradix.config import KVShape
 from hiradix.device_pool import DeviceKVPool
 from hiradix.errors import SlotError
-from hiradix.hybrid.pools import check_page_runs
 
 
 def checksum(rows: torch.Tensor) -> torch.Tensor:
