@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: setup check test pytest crosshair lint sglang-env sglang23-env vllm-env check-sglang bench \
-	wheel-check mooncake-env
+	wheel-check mooncake-env lmcache-env
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -132,6 +132,27 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
+
+# LMCache 0.5.6 beside hiradix, for tests/engines/test_lmcache.py (issue 31): LMCacheEngine
+# with its LocalCPUBackend and LocalDiskBackend on CPU, and its SGLang layerwise connector
+# (SGLang itself is not needed: spec/15). --no-deps: lmcache's requirements
+# pull CUDA (cupy-cuda13x, cuda-python, cufile-python, nvtx) and cloud clients; these are
+# what lmcache.v1.cache_engine and its CPU and disk backends import.
+LMC_VENV ?= .venv-lmcache
+# Pinned to what resolved on 2026-12-06 under the issue's bounds (numpy<=2.2.6,
+# prometheus_client<=0.24.1, transformers>=5.4), so that CI builds the venv it was tested in.
+LMC_DEPS := numba==0.68.1 numpy==2.2.6 pyyaml==6.0.4 requests==2.34.2 cachetools==8.0.3 \
+	sortedcontainers==2.4.0 prometheus_client==0.24.1 py-cpuinfo==9.0.0 psutil==7.2.2 \
+	aiohttp==3.14.5 aiofile==3.12.3 msgspec==0.23.0 pyzmq==27.3.0 transformers==5.25.0 \
+	cryptography==51.0.1
+LMC_IMPORTS := import lmcache.v1.cache_engine, lmcache.v1.storage_backend.local_cpu_backend, \
+	lmcache.v1.storage_backend.local_disk_backend, lmcache.v1.gpu_connector.gpu_connectors, \
+	lmcache.integration.sglang.sglang_adapter
+
+$(LMC_VENV)/.installed: pyproject.toml
+	$(call engine_venv,$(LMC_VENV),$(LMC_DEPS),lmcache==0.5.6,$(LMC_IMPORTS))
+
+lmcache-env: $(LMC_VENV)/.installed
 
 # The installed package, outside the source tree: a wheel built from this checkout into a fresh
 # venv (torch's CPU build first), then `hiradix check` and the public import from a temp dir.
