@@ -226,3 +226,72 @@ def test_build_refuses_a_second_engine_of_one_id(rig: Rig, tmp_path: Path) -> No
         lmcache_env.build(CONFIG, str(tmp_path), rig.instance_id)
     other = lmcache_env.build(CONFIG, str(tmp_path / "other"), f"t-{uuid.uuid4()}")
     other.close()
+
+
+# DEV-L2's scenario, run in a child process: its deadlock leaves a thread waiting forever
+# and a lock held, which no fixture could clean up. The child prints what it saw.
+DEV_L2_SCENARIO = """
+import sys, tempfile, threading, torch
+from hiradix.conformance.adapters import lmcache_env
+rig = lmcache_env.build(lmcache_env.RigConfig(cpu_gb=2.3e-5), tempfile.mkdtemp())
+tokens, stored, loaded = list(range(8)), torch.arange(0, 8), torch.arange(16, 24)
+lmcache_env.fill(rig, stored, seed=1)
+lmcache_env.store(rig, tokens, stored)
+lmcache_env.wait_for_disk_puts(rig)
+connector = lmcache_env.sglang_connector(rig)
+if len(sys.argv) > 1 and sys.argv[1] == "fixed":
+    # A private copy with the fix: a failed staging allocation releases disk_lock.
+    cpu_allocate = rig.disk.local_cpu_backend.allocate
+    def allocate(*args, **kwargs):
+        memory_obj = cpu_allocate(*args, **kwargs)
+        if memory_obj is None:
+            rig.disk.disk_lock.release()
+        return memory_obj
+    rig.disk.local_cpu_backend.allocate = allocate
+for load in (1, 2):
+    lmcache_env.evict_cpu_tier(rig)
+    worker = threading.Thread(target=lmcache_env.sglang_load,
+                              args=(rig, connector, tokens, loaded), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():
+        free = rig.disk.disk_lock.acquire(timeout=1)
+        print(f"load {load} hangs; disk lock {'free' if free else 'held'}", flush=True)
+        sys.stdout.flush()
+        import os; os._exit(0)
+    print(f"load {load} returned", flush=True)
+import os; os._exit(0)  # LMCache's own threads would keep the process alive
+"""
+
+
+def test_a_failed_staging_allocation_keeps_the_disk_lock_in_0_5_6(tmp_path: Path) -> None:
+    """DEV-L2 (spec/15), as LMCache 0.5.6 ships; passes while the bug is there. With a
+    CPU tier of six 4 KiB blocks, the first disk-tier load leaks its four staging buffers
+    (DEV-L1); the second cannot allocate its third, returns from the async disk load
+    (local_disk_backend.py:620-635) without releasing disk_lock, taken at :607, and the
+    load waits on that lock forever (its next taker). The child process reports the
+    first load returned, the second hanging, and the disk tier's lock held."""
+    require("lmcache")
+    lines, output = dev_l2(tmp_path)
+    assert lines == ["load 1 returned", "load 2 hangs; disk lock held"], output
+    assert "Memory allocation failed during async disk load" in output
+
+
+def test_the_dev_l2_reproducer_passes_a_fixed_copy(tmp_path: Path) -> None:
+    """The reproducer can tell: in a private copy whose failed staging allocation
+    releases disk_lock, the second load returns (with part of the chunks) instead."""
+    require("lmcache")
+    lines, output = dev_l2(tmp_path, "fixed")
+    assert lines == ["load 1 returned", "load 2 returned"], output
+
+
+def dev_l2(folder: Path, *variant: str) -> tuple[list[str], str]:
+    """DEV_L2_SCENARIO's report lines and its whole output."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", DEV_L2_SCENARIO, *variant],
+                          capture_output=True, text=True, timeout=120, cwd=folder,
+                          check=False)
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if line.startswith("load ")], output
