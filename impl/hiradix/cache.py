@@ -793,6 +793,10 @@ class HiRadixCache:
         for n in node.path():
             if n.lock_ref - held_by_copies.get(n, 0) < 1:
                 raise NotLocked("node", f"{node!r}: no caller lock to release on {n!r}")
+        deeper = [c for c in node.children.values() if c.lock_ref >= node.lock_ref]
+        if deeper:  # the lock was taken below: releasing it here unbalances the path
+            raise NotLocked("node", f"{node!r} holds no lock taken there: its child "
+                                    f"{deeper[0]!r} holds as many")
         return self._add_lock(node, -1)
 
     def _copy_locks(self) -> dict[TreeNode, int]:

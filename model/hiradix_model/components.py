@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from hiradix_model.component_args import require, require_key
 from hiradix_model.errors import IllegalChoice
@@ -46,6 +46,22 @@ def require_cached(pages: Mapping[Key, object], page: Key | None) -> None:
     if page is not None:
         require_key(page, "page")
         require(page in pages, "page", "is not cached")
+
+
+class Locked(Protocol):
+    @property
+    def lock(self) -> int: ...
+
+
+def require_lock_ends_at(pages: Mapping[Key, Locked], page: Key, page_size: int) -> None:
+    """A release at ``page`` must release a lock taken there: ``page`` holds more locks
+    than each of its cached children (else the lock was taken deeper, and releasing it
+    here would leave a child locked more than its parent)."""
+    here = pages[page].lock
+    deeper = [key for key, record in pages.items()
+              if record.lock >= here and parent_page(key, page_size) == page]
+    require(not deeper, "page", f"{page} holds {here} locks, its child "
+            f"{deeper[0] if deeper else None} as many: no lock taken at page to release")
 
 
 def one_page(slots: tuple[int, ...], page_size: int) -> bool:

@@ -263,3 +263,20 @@ def test_the_tiers_own_writing_check_writes_each_page_once_on_a_wired_cache() ->
     cache.insert(RadixKey((1, 2, 3, 4)), cache.alloc(4))
     assert cache.storage.writing_check() == 1
     assert cache.storage.metrics.write_pages_issued == 2
+
+
+def test_a_release_must_release_a_lock_taken_at_that_node() -> None:
+    """A lock taken at (1, 1) cannot be released at (1,) (spec/03 3.7; found by
+    `hiradix explore`): NotLocked, and nothing changes."""
+    cache = cache_with((1, 1), page_size=1, write_policy="write_back")
+    cache.insert(RadixKey((1, 2)), cache.device_pool.alloc(2))
+    upper = cache.match_prefix(RadixKey((1,))).last_device_node
+    lower = cache.match_prefix(RadixKey((1, 1))).last_device_node
+    assert upper is not lower and lower.parent is upper
+    cache.inc_lock_ref(lower)
+    before = snapshot(cache)
+    with pytest.raises(NotLocked, match="no lock taken there"):
+        cache.dec_lock_ref(upper)
+    assert snapshot(cache) == before
+    cache.dec_lock_ref(lower)
+    cache.check_invariants()

@@ -668,3 +668,20 @@ def test_adapter_reports_its_checker_as_own_check() -> None:
     node.lock_ref = -1
     own = engine.observe().own_check
     assert own is not None and "INV-MAMBA-LOCKS" in own
+
+
+def test_a_release_must_release_a_lock_taken_at_that_node() -> None:
+    """A lock taken at (1, 1, 2) cannot be released at its parent: NotLocked, no change."""
+    cache = make()
+    request(cache, (1, 1, 2))
+    request(cache, (1, 1, 3))
+    lower = cache.node_at((1, 1, 2))
+    upper = cache.node_at((1, 1))
+    assert lower is not None and upper is not None and lower.parent is upper
+    cache.inc_lock_ref(lower, False)
+    before = snapshot(cache)
+    with pytest.raises(NotLocked, match="no lock taken there"):
+        cache.dec_lock_ref(upper, True)
+    assert snapshot(cache) == before
+    cache.dec_lock_ref(lower, True)
+    cache.check_invariants()

@@ -498,3 +498,20 @@ def test_adapter_observes_every_page_of_every_node() -> None:
     engine.unlock(receipt, True)
     assert engine.evict_full(6) == 6 and engine.observe().pages == {}
     engine.close()
+
+
+def test_a_release_must_release_a_lock_taken_at_that_node() -> None:
+    """A lock taken at (1, 1, 2) cannot be released at its parent: NotLocked, no change."""
+    cache = make(window=1)
+    request(cache, (1, 1, 2))
+    request(cache, (1, 1, 3))
+    lower = cache.node_at((1, 1, 2))
+    upper = cache.node_at((1, 1))
+    assert lower is not None and upper is not None and lower.parent is upper
+    cache.inc_lock_ref(lower)
+    before = snapshot(cache)
+    with pytest.raises(NotLocked, match="no lock taken there"):
+        cache.dec_lock_ref(upper, True)
+    assert snapshot(cache) == before
+    cache.dec_lock_ref(lower, False)
+    cache.check_invariants()

@@ -172,3 +172,11 @@ def test_match_live_fails_on_a_dead_window_and_on_a_short_match() -> None:
     assert not list(H.match_problems(s, PATH, deep(12)))
     assert "not live" in next(H.match_problems(s, PATH, deep(10)))
     assert "is cached with a live window" in next(H.match_problems(s, PATH, None))
+
+
+def test_a_release_must_release_a_lock_taken_at_that_page() -> None:
+    """A lock taken at the 12-token page cannot be released at its parent (INV-SWA-LOCKS)."""
+    s = healthy()
+    with pytest.raises(PreconditionError) as error:
+        H.dec_lock_ref(s, deep(11), True)
+    assert error.value.argument == "page"

@@ -192,3 +192,11 @@ def test_match_state_fails_on_a_stateless_end_a_short_match_and_a_wrong_full_hit
     assert "holds no state" in next(M.match_problems(s, PATH, deep(6), 8))
     assert "holds a state" in next(M.match_problems(s, PATH, deep(4), 8))
     assert "full hit" in next(M.match_problems(s, PATH, PATH, 6))
+
+
+def test_a_release_must_release_a_lock_taken_at_that_page() -> None:
+    """PATH is locked at its last page: releasing at its parent is refused (INV-MAMBA-LOCKS)."""
+    s = healthy()
+    with pytest.raises(PreconditionError) as error:
+        M.dec_lock_ref(s, deep(6), True)
+    assert error.value.argument == "page"

@@ -389,3 +389,15 @@ def test_reported_slots_must_be_whole_pages_in_order() -> None:
     fresh, _ = ops.alloc(fresh, Key((3, 4)), 0, (0, 1))
     with pytest.raises(IllegalChoice, match=r"host_slots\[0\]"):
         ops.insert(fresh, Key((3, 4)), (0, 1), 1, backup=Backup((), (3, 2)))
+
+
+def test_a_release_must_release_a_lock_taken_at_that_page() -> None:
+    """spec/03 3.7: a lock taken at (1, 1) cannot be released at (1,) -- that would leave
+    (1, 1) locked more than its parent (INV-LOCK-MONOTONE); found by `hiradix explore`."""
+    state, _ = put(initial(config(write_policy="write_back")), Key((1, 1)), 1)
+    state, _ = ops.inc_lock_ref(state, Key((1, 1)))
+    with pytest.raises(PreconditionError) as error:
+        ops.dec_lock_ref(state, Key((1,)))
+    assert error.value.argument == "page" and "no lock taken at page" in str(error.value)
+    state, _ = ops.dec_lock_ref(state, Key((1, 1)))
+    assert all(p.lock == 0 for p in state.pages.values())

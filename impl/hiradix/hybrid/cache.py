@@ -299,6 +299,10 @@ class SwaCache:
             return
         if node.lock_ref <= 0:
             raise NotLocked("node", f"{node!r} holds no lock")
+        deeper = [c for c in node.children.values() if c.lock_ref >= node.lock_ref]
+        if deeper:  # the lock was taken below: releasing it here unbalances the path
+            raise NotLocked("node", f"{node!r} holds no lock taken there: its child "
+                                    f"{deeper[0]!r} holds as many")
         if not swa_released:
             self._check_swa_locked(node)
             for n in self.tree.window_exact(node):

@@ -269,6 +269,10 @@ class MambaCache:
             return
         if checked.lock_ref <= 0:
             raise NotLocked("node", f"{checked!r} holds no lock")
+        deeper = [c for c in checked.children.values() if c.lock_ref >= checked.lock_ref]
+        if deeper:  # the lock was taken below: releasing it here unbalances the path
+            raise NotLocked("node", f"{checked!r} holds no lock taken there: its child "
+                                    f"{deeper[0]!r} holds as many")
         if state_released and checked.lock_ref <= checked.state_lock_ref:
             raise InvalidArgument("state_released", f"every lock on {checked!r} still holds "
                                                     "its state part")

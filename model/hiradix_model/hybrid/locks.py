@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hiradix_model.component_args import require
-from hiradix_model.components import require_cached
+from hiradix_model.components import require_cached, require_lock_ends_at
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.hybrid.invariants import check  # noqa: F401 (contracts)
 from hiradix_model.hybrid.state import SwaState, root_path, window, window_live
@@ -70,6 +70,7 @@ def dec_lock_ref(state: SwaState, page: Key | None, swa_released: bool) -> SwaSt
     if page is None:
         return state
     require(state.pages[page].lock > 0, "page", "is not locked")
+    require_lock_ends_at(state.pages, page, state.config.page_size)
     if not swa_released:
         _require_window_locked(state, page)
     return _shift(state, page, -1, 0 if swa_released else -1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hiradix_model.component_args import require
-from hiradix_model.components import require_cached
+from hiradix_model.components import require_cached, require_lock_ends_at
 from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.keys import Key
 from hiradix_model.mamba.invariants import check  # noqa: F401 (contracts)
@@ -65,6 +65,7 @@ def dec_lock_ref(state: MambaState, page: Key | None, state_released: bool) -> M
         return state
     record = state.pages[page]
     require(record.lock > 0, "page", "is not locked")
+    require_lock_ends_at(state.pages, page, state.config.page_size)
     if state_released:
         # Every lock counted on ``page`` beyond its state locks is one without a state part.
         require(record.lock > record.state_lock, "state_released",

@@ -6,7 +6,7 @@ from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key
 from hiradix_model.ops._draft import Draft, add_lock, require, require_key
-from hiradix_model.state import State, root_path, transfer_locks
+from hiradix_model.state import State, children_of, root_path, transfer_locks
 
 
 def inc_lock_ref(state: State, page: Key | None) -> tuple[State, int]:
@@ -47,6 +47,11 @@ def dec_lock_ref(state: State, page: Key | None) -> tuple[State, int]:
     for key in root_path(state, page):
         held_by_caller = state.pages[key].lock - transfer_locks(state, key)
         require(held_by_caller >= 1, "page", f"{page} holds no lock of the caller's on {key}")
+    # The lock released must have been taken at ``page``, not below it (spec/03 3.7).
+    for child in children_of(state, page):
+        require(state.pages[child].lock < record.lock, "page",
+                f"{page} holds {record.lock} locks, its child {child} as many: no lock "
+                "taken at page to release")
     draft = Draft(state)
     delta = add_lock(draft, page, -1)
     return draft.freeze(), delta
