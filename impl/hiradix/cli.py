@@ -36,6 +36,7 @@ from hiradix.conformance.bench import add_arguments as bench_arguments
 from hiradix.conformance.bench import main as bench_main
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
+from hiradix.conformance.explore.cli import explore_main
 from hiradix.conformance.hybrid.campaign import HybridCampaign
 from hiradix.conformance.hybrid.campaign import run_campaign as run_hybrid_campaign
 from hiradix.conformance.hybrid.engines import HYBRID_ENGINES, REQUEST_LEVEL, builder
@@ -684,6 +685,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     sub.add_parser("show", add_help=False,
                    help="draw a cache's tree by tier (text, or --svg FILE); "
                         "`hiradix show --help` for its options")
+    sub.add_parser("explore", add_help=False,
+                   help="every reachable state of a small scope, model and implementation "
+                        "(spec/14); `hiradix explore --help` for its options")
     return parser.parse_args(argv)
 
 
@@ -853,6 +857,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     if given[:1] == ["show"]:  # its own parser: a trace path and --svg
         return show_main(given[1:])
+    if given[:1] == ["explore"]:  # its own parser: the scope (spec/14)
+        return explore_main(given[1:])
     try:
         args = parse(given)
     except BadCommandLine as usage:
