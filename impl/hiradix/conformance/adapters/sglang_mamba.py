@@ -174,6 +174,7 @@ class SglangMambaAdapter:
             token_to_kv_pool_allocator=self.allocator, page_size=ps, eviction_policy="lru",
             tp_cache_group=self.env.group, tree_components=(self.full_ct, self.mamba_ct),
             enable_mamba_extra_buffer=extra_buffer, tree_core_backend="python")
+        self.params = params  # what a host tier is built from (``init_hicache``)
         self.cache = self.m["uni"].UnifiedRadixCache(params)
         self.tree = self.cache.tree_core
         if type(self.tree) is not self.m["core"].UnifiedTreeCore:
@@ -344,6 +345,10 @@ class SglangMambaAdapter:
         self._tick()
         got = self.cache.match_prefix(self.m["base"].MatchPrefixParams(
             key=radix_key(self.env, key)))
+        return self._hit(key, got)
+
+    def _hit(self, key: Key, got: Any) -> MambaHit:
+        """SGLang's ``MatchResult`` for ``key`` as the protocol's hit."""
         slots = self.tree.collect_full_device_indices(got.last_device_node,
                                                       self.tree.root_node.id)
         return MambaHit(full=self._full_out(slots.tolist()),
@@ -454,10 +459,14 @@ class SglangMambaAdapter:
 
     # -- the view -----------------------------------------------------------------------
 
+    def _device_nodes(self) -> Iterator[tuple[tuple[int, ...], Any]]:
+        """The nodes that give pages: every node here (a host tier leaves some out)."""
+        return self._walk()
+
     def _pages(self) -> dict[Key, MambaPageView]:
         """SGLang's nodes as pages (13m.8, module docstring)."""
         pages: dict[Key, MambaPageView] = {}
-        for end, node in self._walk():
+        for end, node in self._device_nodes():
             full_cd = node.component_data[self.full_ct]
             mamba_cd = node.component_data[self.mamba_ct]
             width = len(node.key.token_ids)

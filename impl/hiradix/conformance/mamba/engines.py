@@ -13,6 +13,10 @@ from hiradix.conformance.registry import EngineRegistry
 MAMBA_ENGINES: dict[str, tuple[str, str, str]] = {
     "ours-mamba": ("hiradix.conformance.adapters.ours_mamba", "build", "probe"),
     "sglang-mamba": ("hiradix.conformance.adapters.sglang_mamba", "build", "probe"),
+    "sglang-mamba-hicache-write_through": (
+        "hiradix.conformance.adapters.sglang_mamba_hicache", "build_write_through", "probe"),
+    "sglang-mamba-hicache-write_back": (
+        "hiradix.conformance.adapters.sglang_mamba_hicache", "build_write_back", "probe"),
     # vLLM's coordinator with a Mamba group is no MambaEngine: mamba.vllm_machine drives
     # it per request (spec/13m, 13m.8a), so it has a probe here and no builder.
     "vllm-mamba": ("hiradix.conformance.adapters.vllm_mamba", "VllmMamba", "probe"),

@@ -1,0 +1,287 @@
+"""SGLang 0.5.23's (FULL, MAMBA) UnifiedRadixCache with HiCache through
+``adapters.sglang_mamba_hicache`` (spec/13m, device tier; spec/13 13.8 for the host tier).
+
+Runs under ``.venv-sglang23`` (``make sglang23-env``). Skipped where SGLang is not installed
+or is another version; an SGLang 0.5.23 the adapter cannot drive fails
+(``engine_env.require``).
+
+Scripted scenarios (backup, device eviction, re-adoption, a state tombstone with a host
+copy, a load back) are checked by hand; bugs planted in SGLang's Mamba host path show in
+the view or in ``own_check``; the Mamba machine runs the adapter under both write policies
+until some node is host-only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hybrid_support import bounded, run_until
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+from test_sglang_mamba import checked, put  # the device-tier adapter's helpers
+
+from hiradix.conformance.adapters.sglang_mamba_hicache import (
+    MAMBA_POLICIES,
+    MambaPolicy,
+    SglangMambaHiCacheAdapter,
+    build_hicache,
+)
+from hiradix.conformance.adapters.sglang_unified import radix_key
+from hiradix.conformance.mamba.engine import MambaHit, MambaView
+from hiradix.conformance.mamba.machine import make_mamba_machine
+from hiradix_model import Key
+from hiradix_model.mamba import MambaConfig
+
+from engine_env import require
+
+ENGINE = "sglang-mamba-hicache-write_through"
+K4, K8 = (Key(tuple(range(1, n + 1)), None) for n in (4, 8))
+CONFIG = MambaConfig(page_size=1, full_slots=16, state_slots=4)
+
+
+@pytest.fixture(autouse=True)
+def sglang_installed() -> str:
+    """Skip without SGLang 0.5.23; fail where it is installed but does not probe."""
+    return require(ENGINE)
+
+
+Make = Callable[[MambaPolicy], SglangMambaHiCacheAdapter]
+
+
+@pytest.fixture
+def make() -> Iterator[Make]:
+    """``build_hicache(policy)(CONFIG)``; every cache a test builds is closed after it."""
+    built: list[SglangMambaHiCacheAdapter] = []
+
+    def tracked(policy: MambaPolicy) -> SglangMambaHiCacheAdapter:
+        built.append(build_hicache(policy)(CONFIG))
+        return built[-1]
+
+    yield tracked
+    for adapter in built:
+        adapter.close()
+
+
+def evict_to_host(adapter: SglangMambaHiCacheAdapter, key: Key) -> None:
+    """Evict ``key`` (the only thing cached) from the device: write_through backed it up
+    at insert, write_back backs it up now; it stays on the host only."""
+    assert adapter.evict_full(len(key.tokens)) == len(key.tokens)
+    view = checked(adapter)
+    assert not view.pages and view.state_free == frozenset(range(CONFIG.state_slots))
+    assert adapter.host_only() == [key.tokens]
+    assert adapter.node(key).component_data[adapter.mamba_ct].host_value is not None
+
+
+@pytest.mark.parametrize("policy", MAMBA_POLICIES)
+def test_a_backed_up_and_evicted_key_is_gone_from_the_device_view(
+        make: Make, policy: MambaPolicy) -> None:
+    adapter = make(policy)
+    full, state = put(adapter, K4, code=44)
+    held = adapter.node(K4).component_data[adapter.mamba_ct].host_value
+    assert (held is not None) is (policy == "write_through")  # backed up at insert
+    evict_to_host(adapter, K4)
+    view = checked(adapter)
+    assert set(full) <= view.full_free and state in view.state_free
+    assert adapter.match_prefix(K4) == MambaHit((), None, 0)
+
+
+@pytest.mark.parametrize("policy", MAMBA_POLICIES)
+def test_an_insert_over_a_host_only_key_creates_its_pages_from_the_callers_slots(
+        make: Make, policy: MambaPolicy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang re-adopts the caller's slots and state for the host-only node (and counts
+    the tokens in its prefix_len); on the device nothing was cached: prefix 0, the state
+    taken, the pages the caller's."""
+    adapter = make(policy)
+    put(adapter, K4, code=44)
+    evict_to_host(adapter, K4)
+    raw = adapter.cache.match_prefix(adapter.m["base"].MatchPrefixParams(
+        key=radix_key(adapter.env, K4)))
+    # SGLang's match counts the host copy in its full hit; the device part is empty.
+    assert (raw.device_prefix_len, raw.host_hit_length, raw.full_kv_hit_length) == (0, 4, 4)
+    seen: list[tuple[int, bool]] = []
+    insert = adapter.cache.insert
+
+    def spied(params: Any) -> Any:
+        result = insert(params)
+        seen.append((int(result.prefix_len), bool(result.mamba_exist)))
+        return result
+    monkeypatch.setattr(adapter.cache, "insert", spied)
+    full, state = put(adapter, K4, code=45)  # asserts (0, True)
+    assert seen == [(4, False)]  # DEV-H4: SGLang counts the re-adopted host-only tokens
+    view = checked(adapter)
+    assert {k.tokens: p.full for k, p in view.pages.items()} == {
+        K4.tokens[:end]: full[end - 1:end] for end in range(1, 5)}
+    assert view.pages[K4].state == state and view.state_kv[state] == 45
+    assert adapter.host_only() == []
+    assert adapter.match_prefix(K4) == MambaHit(full, K4, 4)
+
+
+def test_a_state_evicted_from_the_device_but_backed_up_is_a_tombstone_the_match_passes(
+        make: Make) -> None:
+    """(1..4)'s state is backed up (write_through) and evicted from the device while
+    (1..8) holds the path: SGLang's match accepts the host copy (a hit a load back would
+    restore); on the device tier the page has no state and the match ends at the root."""
+    adapter = make("write_through")
+    put(adapter, K4, code=4)
+    put(adapter, K8, code=8)
+    receipt = adapter.lock(K8, True)
+    assert adapter.evict_states(1) == 1
+    adapter.unlock(receipt, False)
+    view = checked(adapter)
+    assert view.pages[K4].state is None and view.pages[K8].state is not None
+    tombstone = adapter.node(K4).component_data[adapter.mamba_ct]
+    assert tombstone.value is None and tombstone.host_value is not None
+    key = Key((*K4.tokens, 9), None)
+    raw = adapter.cache.match_prefix(adapter.m["base"].MatchPrefixParams(
+        key=radix_key(adapter.env, key)))
+    assert raw.best_match_node == adapter.node(K4).id  # SGLang: a host state hit
+    assert adapter.match_prefix(key) == MambaHit((), None, 4)
+
+
+def load_back(adapter: SglangMambaHiCacheAdapter, key: Key) -> None:
+    """SGLang's load back of the host-only node ending at ``key`` (the scheduler's
+    ``init_load_back`` for a request, then the start of the loading step)."""
+    assert adapter.cache.load_back(adapter.node(key).id, mem_quota=None, req=None)
+    adapter.cache.ready_to_load_host_cache()
+
+
+@pytest.mark.parametrize("policy", MAMBA_POLICIES)
+def test_a_load_back_restores_the_pages_and_the_state_into_fresh_slots(
+        make: Make, policy: MambaPolicy) -> None:
+    adapter = make(policy)
+    put(adapter, K4, code=44)
+    evict_to_host(adapter, K4)
+    before = checked(adapter)
+    load_back(adapter, K4)
+    view = checked(adapter)
+    assert sorted(len(k.tokens) for k in view.pages) == [1, 2, 3, 4]
+    slots = tuple(view.pages[Key(K4.tokens[:end], None)].full[0] for end in range(1, 5))
+    assert set(slots) <= before.full_free and [view.full_kv[s] for s in slots] == [0, 1, 2, 3]
+    state = view.pages[K4].state
+    assert state is not None and state in before.state_free and view.state_kv[state] == 44
+
+
+# -- bugs planted in SGLang's Mamba host path ---------------------------------------------
+
+
+def _mamba_module() -> Any:
+    return importlib.import_module("sglang.srt.mem_cache.unified_cache.components.mamba")
+
+
+def _host_module() -> Any:
+    return importlib.import_module("sglang.srt.mem_cache.pool_host.mamba")
+
+
+def backup_not_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backup's Mamba host slot never lands on its node (the copy is made, the slot
+    allocated, the host value not set)."""
+    component = _mamba_module().MambaComponent
+    original = component.commit_hicache_transfer
+
+    def commit(self: Any, node: Any, phase: Any, *args: Any, **kwargs: Any) -> None:
+        if phase.name == "BACKUP_HOST":
+            return
+        original(self, node, phase, *args, **kwargs)
+    monkeypatch.setattr(component, "commit_hicache_transfer", commit)
+
+
+def host_slot_not_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host eviction drops a node's Mamba host value but its slot is never freed."""
+    monkeypatch.setattr(_host_module().MambaPoolHost, "free",
+                        lambda self, indices: len(indices))
+
+
+def load_forgets_the_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load back gives the node a device state slot but copies nothing into it."""
+    monkeypatch.setattr(_host_module().MambaPoolHost, "load_to_device_per_layer",
+                        lambda self, *args, **kwargs: None)
+
+
+def backed_up(adapter: SglangMambaHiCacheAdapter) -> MambaView:
+    put(adapter, K4, code=44)
+    return adapter.observe()
+
+
+def host_evicted(adapter: SglangMambaHiCacheAdapter) -> MambaView:
+    put(adapter, K4, code=44)
+    assert adapter.evict_full(4) == 4
+    adapter.cache.evict_host(4, adapter.mamba_ct)
+    return adapter.observe()
+
+
+PLANTED: dict[str, tuple[Callable[[pytest.MonkeyPatch], None],
+                         Callable[[SglangMambaHiCacheAdapter], MambaView], str]] = {
+    "backup not recorded": (backup_not_recorded, backed_up,
+                            "MAMBA host slots neither free nor held"),
+    "host slot not freed": (host_slot_not_freed, host_evicted,
+                            "MAMBA host slots neither free nor held"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_a_bug_planted_in_the_mamba_host_path_shows_in_own_check(
+        name: str, make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    plant, scenario, own = PLANTED[name]
+    without = scenario(make("write_through"))
+    assert without.own_check is None, without.own_check
+    plant(monkeypatch)
+    view = scenario(make("write_through"))
+    assert view.own_check is not None and re.search(own, view.own_check), view.own_check
+
+
+def test_a_load_back_that_forgets_the_state_shows_in_the_view(
+        make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loaded page's state slot holds the backed-up code; with the copy planted away
+    it holds nothing (``state_kv`` leaves out a slot never written)."""
+    def loaded_code(adapter: SglangMambaHiCacheAdapter) -> int | None:
+        put(adapter, K4, code=44)
+        assert adapter.evict_full(4) == 4
+        load_back(adapter, K4)
+        view = checked(adapter)
+        state = view.pages[K4].state
+        assert state is not None
+        return view.state_kv.get(state)
+    assert loaded_code(make("write_through")) == 44
+    load_forgets_the_state(monkeypatch)
+    assert loaded_code(make("write_through")) != 44
+
+
+@pytest.mark.parametrize("policy", MAMBA_POLICIES)
+def test_sglang_with_hicache_refines_the_model(policy: MambaPolicy) -> None:
+    reached: Counter[str] = Counter()
+    hicache = build_hicache(policy)
+
+    def build_counting(config: MambaConfig) -> SglangMambaHiCacheAdapter:
+        """The adapter, counting the views in which some node was host-only: the
+        examples must reach the states the device view leaves out."""
+        adapter = hicache(config)
+        observe = adapter.observe
+
+        def counted() -> MambaView:
+            reached["host-only"] += bool(adapter.host_only())
+            return observe()
+        adapter.observe = counted  # type: ignore[method-assign]
+        return adapter
+
+    config = MambaConfig(page_size=1, full_slots=10, state_slots=3)
+    run_until(make_mamba_machine(build_counting, config, reached), reached, "host-only")
+    assert reached["checks"] > reached["examples"] and reached["host-only"]
+    assert reached["state_tombstones"] and reached["forks"]
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_a_bug_planted_in_the_mamba_host_path_fails_the_machine(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    plant, _, own = PLANTED[name]
+    plant(monkeypatch)
+    config = MambaConfig(page_size=1, full_slots=10, state_slots=3)
+    # No shrinking: the first failing example is enough to show the bug is seen.
+    quick = settings(bounded(50), phases=(Phase.explicit, Phase.generate))
+    with pytest.raises(AssertionError, match=own):
+        run_state_machine_as_test(make_mamba_machine(build_hicache("write_through"), config),
+                                  settings=quick)
