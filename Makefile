@@ -106,12 +106,15 @@ check-sglang: sglang-env
 bench: sglang-env
 	$(SGL_BIN)/hiradix bench
 
-# vLLM 0.33.0 beside hiradix, for `hiradix check --engine vllm` / `vllm-offload`: its
+# vLLM (VLLM_VERSION) beside hiradix, for `hiradix check --engine vllm` / `vllm-offload`: its
 # KVCacheManager and CPU OffloadingManager import on CPU without vllm._C. --no-deps for
 # vllm (its requirements pull a CUDA torch) and for xgrammar (it would pull triton); the
 # rest are exactly what vllm.v1.core.{block_pool,kv_cache_manager,kv_cache_utils} and
 # vllm.v1.kv_offload import, pinned where vllm pins them.
 VLLM_VENV ?= .venv-vllm
+# The vLLM release checked (the adapters accept 0.33.0 and 0.34.0; `make vllm-env
+# VLLM_VERSION=0.33.0 VLLM_VENV=...` builds the older one).
+VLLM_VERSION ?= 0.34.0
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_DEPS := numpy packaging regex cachetools psutil py-cpuinfo requests pillow pyzmq msgspec \
 	cloudpickle pybase64 cbor2 uvloop urllib3 prometheus_client partial-json-parser \
@@ -124,7 +127,7 @@ VLLM_IMPORTS := import vllm.v1.core.block_pool, vllm.v1.core.kv_cache_manager, \
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -c "import torch" 2>/dev/null || $(call install_torch,$(VLLM_BIN))
-	$(VLLM_BIN)/pip install -q --no-deps vllm==0.33.0
+	$(VLLM_BIN)/pip install -q --no-deps vllm==$(VLLM_VERSION)
 	$(VLLM_BIN)/pip install -q $(VLLM_DEPS)
 	$(VLLM_BIN)/pip install -q --no-deps xgrammar==0.2.8
 	$(VLLM_BIN)/pip install -q -e '.[test]'

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's KVCacheManager against the model (spec/10; skipped without vLLM).
+"""vLLM 0.33.0/0.34.0's KVCacheManager against the model (spec/10; skipped without vLLM).
 
 Run from the vLLM environment: ``make vllm-env``, then
 ``HIRADIX_PROFILE=ci .venv-vllm/bin/python -m pytest -q -x tests/engines/test_vllm_adapters.py``.

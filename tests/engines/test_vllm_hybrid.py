@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's hybrid coordinator (a full and a sliding-window group over one pool)
+"""vLLM 0.33.0/0.34.0's hybrid coordinator (a full and a sliding-window group over one pool)
 through ``adapters.vllm_hybrid`` and ``hybrid.vllm_machine`` (spec/13, 13.9).
 
 Runs under ``.venv-vllm`` (``make vllm-env``):
@@ -46,7 +46,7 @@ ENGINE = "vllm-hybrid"
 
 @pytest.fixture(autouse=True)
 def vllm_installed() -> str:
-    """Skip without vLLM 0.33.0; fail where it is installed but does not probe."""
+    """Skip without vLLM 0.33.0 or 0.34.0; fail where it is installed but does not probe."""
     return require(ENGINE)
 
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's hybrid coordinator with a full-attention and a Mamba group in align mode
+"""vLLM 0.33.0/0.34.0's hybrid coordinator with a full-attention and a Mamba group in align mode
 through ``adapters.vllm_mamba`` and ``mamba.vllm_machine`` (spec/13m, 13m.8a).
 
 Runs under ``.venv-vllm`` (``make vllm-env``):
@@ -43,7 +43,7 @@ PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)  # four pages of 2
 
 @pytest.fixture(autouse=True)
 def vllm_installed() -> str:
-    """Skip without vLLM 0.33.0; fail where it is installed but does not probe."""
+    """Skip without vLLM 0.33.0 or 0.34.0; fail where it is installed but does not probe."""
     return require(ENGINE)
 
 

@@ -1,4 +1,4 @@
-"""Adapters for vLLM 0.33.0's prefix cache (spec/10): ``vllm``, the device tier through
+"""Adapters for vLLM 0.33.0/0.34.0's prefix cache (spec/10): ``vllm``, the device tier through
 ``KVCacheManager``, and ``vllm-offload``, the host tier through the CPU ``OffloadingManager``.
 
 vLLM must be importable (``make vllm-env`` builds ``.venv-vllm``); its cache managers run
@@ -42,7 +42,7 @@ from hiradix.conformance.scenario import Scenario
 from hiradix_model import Config, Key, Page, State
 from hiradix_model.keys import content_at
 
-VERSION = "0.33.0"
+VERSIONS = ("0.33.0", "0.34.0")  # the releases whose cache code this adapter drives
 SETUP = "make vllm-env, then run .venv-vllm/bin/hiradix"
 MODULES = {
     "manager": "vllm.v1.core.kv_cache_manager",
@@ -73,7 +73,7 @@ def _modules() -> dict[str, Any]:
 
 def probe(engine: str) -> str:
     """The installed vLLM version, if this adapter can drive it (spec/10)."""
-    return probe_engine(engine, "vllm", (VERSION,), "its v1 KV cache managers", SETUP,
+    return probe_engine(engine, "vllm", VERSIONS, "its v1 KV cache managers", SETUP,
                         _modules)
 
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's hybrid coordinator (spec/13, 13.9): ``KVCacheManager`` over one
+"""vLLM 0.33.0/0.34.0's hybrid coordinator (spec/13, 13.9): ``KVCacheManager`` over one
 ``FullAttentionSpec`` group (0) and one ``SlidingWindowSpec`` group (1), spoken to per
 request as vLLM's scheduler speaks to it.
 
@@ -34,7 +34,7 @@ from hiradix_model import Key
 from hiradix_model.hybrid import SwaConfig
 from hiradix_model.keys import content_at
 
-VERSION = "0.33.0"
+VERSIONS = ("0.33.0", "0.34.0")  # the releases whose coordinator this adapter drives
 SETUP = "make vllm-env, then run .venv-vllm/bin/hiradix"
 MODULES = {
     "manager": "vllm.v1.core.kv_cache_manager",
@@ -60,7 +60,7 @@ def _modules() -> dict[str, Any]:
 
 def probe() -> str:
     """The installed vLLM version, if this adapter can drive it (spec/13, 13.9)."""
-    return probe_engine("vllm-hybrid", "vllm", (VERSION,), "its HybridKVCacheCoordinator",
+    return probe_engine("vllm-hybrid", "vllm", VERSIONS, "its HybridKVCacheCoordinator",
                         SETUP, _modules)
 
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's hybrid coordinator over a full-attention group (0) and a Mamba group
+"""vLLM 0.33.0/0.34.0's hybrid coordinator over a full-attention group (0) and a Mamba group
 (1) in ``mamba_cache_mode="align"`` (spec/13m, 13m.8a), spoken to per request as vLLM's
 scheduler speaks to it.
 
@@ -29,7 +29,7 @@ from typing import Any
 from hiradix.conformance.adapters.base import probe_engine
 from hiradix.conformance.adapters.vllm_hybrid import (
     SETUP,
-    VERSION,
+    VERSIONS,
     PoolView,
     VllmHybrid,
     cdiv,
@@ -46,7 +46,7 @@ GARBAGE = Key((-1,))  # the "state" a forward pass resumed from no state compute
 
 def probe() -> str:
     """The installed vLLM version, if this adapter can drive it (spec/13m, 13m.8a)."""
-    return probe_engine("vllm-mamba", "vllm", (VERSION,),
+    return probe_engine("vllm-mamba", "vllm", VERSIONS,
                         "its HybridKVCacheCoordinator with a MambaSpec group", SETUP,
                         modules)
 

@@ -1,4 +1,4 @@
-"""``vllm-offload``: vLLM 0.33.0's device cache with its CPU ``OffloadingManager`` as the
+"""``vllm-offload``: vLLM 0.33.0/0.34.0's device cache with its CPU ``OffloadingManager`` as the
 host tier (spec/10), driven as vLLM's offloading connector drives them.
 
 - A request's full blocks are offered to ``prepare_store`` after ``allocate_slots``, as
