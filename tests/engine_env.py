@@ -14,24 +14,18 @@ import os
 
 import pytest
 
-from hiradix.conformance.adapters import EngineUnavailable, lmcache_env, probe
-from hiradix.conformance.hybrid.engines import HYBRID_ENGINES
-from hiradix.conformance.hybrid.engines import probe as probe_hybrid
-from hiradix.conformance.mamba.engines import MAMBA_ENGINES
-from hiradix.conformance.mamba.engines import probe as probe_mamba
+from hiradix.engines import EngineUnavailable, probe
+from hiradix.engines.lmcache import env as lmcache_env
 
 
 def require(engine: str) -> str:
-    """The installed version of ``engine`` (an engine of the differential suite, a
-    hybrid (FULL, SWA) one, a (FULL, MAMBA) one or ``lmcache``); skips or fails the calling test
-    otherwise."""
+    """The installed version of ``engine`` (any engine ``hiradix.engines.lookup`` knows,
+    or ``lmcache``); skips or fails the calling test otherwise."""
     required = set(filter(None, os.environ.get("HIRADIX_REQUIRE_ENGINES", "").split(",")))
     try:
         if engine == "lmcache":  # LMCache's tiers, observed without an adapter yet
             return lmcache_env.probe(engine)
-        if engine in MAMBA_ENGINES:
-            return probe_mamba(engine)
-        return probe_hybrid(engine) if engine in HYBRID_ENGINES else probe(engine)
+        return probe(engine)
     except EngineUnavailable as unavailable:
         if engine in required or unavailable.kind == "api":
             pytest.fail(f"{unavailable} [HIRADIX_REQUIRE_ENGINES={','.join(sorted(required))}]",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hiradix.conformance.adapters import factory
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
 from hiradix_model import trace
 
 

@@ -11,7 +11,6 @@ runnable script (and writes it with ``--reproducer``) and exits 1.
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import math
 import random
@@ -30,28 +29,13 @@ from hypothesis.database import (
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
-from hiradix.conformance.adapters import ENGINES, EngineUnavailable, factory, probe, scenario_space
+from hiradix.bench.cache import add_arguments as bench_arguments
+from hiradix.bench.cache import main as bench_main
 from hiradix.conformance.batches import ComponentCampaign
-from hiradix.conformance.bench import add_arguments as bench_arguments
-from hiradix.conformance.bench import main as bench_main
 from hiradix.conformance.coverage import COVERAGE, STORAGE_ONLY
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.explore.cli import explore_main
-from hiradix.conformance.hybrid.campaign import HybridCampaign
-from hiradix.conformance.hybrid.campaign import run_campaign as run_hybrid_campaign
-from hiradix.conformance.hybrid.engines import HYBRID_ENGINES, REQUEST_LEVEL, builder
-from hiradix.conformance.hybrid.engines import probe as probe_hybrid
-from hiradix.conformance.hybrid.vllm_machine import (
-    run_vllm_hybrid_campaign,
-)
 from hiradix.conformance.machine import EXERCISED, SWARM_RULES, Tally, make_machine
-from hiradix.conformance.mamba.campaign import MambaCampaign
-from hiradix.conformance.mamba.campaign import run_campaign as run_mamba_campaign
-from hiradix.conformance.mamba.engines import MAMBA_ENGINES
-from hiradix.conformance.mamba.engines import REQUEST_LEVEL as MAMBA_REQUEST_LEVEL
-from hiradix.conformance.mamba.engines import builder as mamba_builder
-from hiradix.conformance.mamba.engines import probe as probe_mamba
-from hiradix.conformance.mamba.vllm_machine import run_vllm_mamba_campaign
 from hiradix.conformance.outputs import (
     BadCommandLine,
     OneLineParser,
@@ -72,6 +56,15 @@ from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.show import show_main
 from hiradix.conformance.storage_machine import STORAGE_SWARM_RULES, make_storage_machine
 from hiradix.conformance.tally import TimeUp
+from hiradix.engines import (
+    BUILT_IN,
+    ComponentEngine,
+    EngineError,
+    EngineUnavailable,
+    cache_engine,
+    lookup,
+    scenario_space,
+)
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
 from hiradix_model import initial, trace
 
@@ -97,13 +90,6 @@ EXAMPLES_PER_HYBRID_EXAMPLE = 4
 HYBRID_MAX_PAGE = 4
 
 
-# Engines whose API needs a machine of its own (vLLM's request-level allocate/free;
-# SGLang's storage tier): engine -> the module whose make_machine(engine, scenario, tally)
-# builds it.
-OWN_MACHINES = {"vllm": "hiradix.conformance.vllm_machine",
-                "vllm-offload": "hiradix.conformance.vllm_machine",
-                "sglang-storage": "hiradix.conformance.sglang_storage_machine",
-                "sglang-unified-storage": "hiradix.conformance.sglang_unified_storage_machine"}
 STORAGE = (None, "memory", "file")  # ours: no tier, or a tier over this backend
 STORAGE_NAMES = ("none", "memory", "file")  # --storage's spelling of STORAGE
 
@@ -132,17 +118,16 @@ def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Seque
             for ps, policy, strategy, host, kv, tier in combos]
 
 
-def machine_for(engine: str, scenario: Scenario,
-                tally: Tally) -> type[RuleBasedStateMachine]:
+def machine_for(engine: str, scenario: Scenario, tally: Tally,
+                beyond_server: bool = False) -> type[RuleBasedStateMachine]:
     if engine in COPY_ENGINES:
         if scenario.storage is not None:
             return make_storage_machine(scenario, tally, tally.faults)
         return make_machine(scenario, tally)
-    if engine in OWN_MACHINES:  # imported here: they import their engine's package
-        own: type[RuleBasedStateMachine] = importlib.import_module(
-            OWN_MACHINES[engine]).make_machine(engine, scenario, tally)
-        return own
-    return make_differential(factory(engine, scenario), tally)
+    entry = cache_engine(engine)
+    if entry.machine is not None:  # the engine's API needs a machine of its own
+        return entry.machine(scenario, tally)
+    return make_differential(entry.factory(scenario), tally, beyond_server)
 
 
 def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled") -> str:
@@ -159,14 +144,14 @@ def reproducer(scenario: Scenario, report: list[str], engine: str = "controlled"
                   "from hiradix.conformance.scenario import Scenario", "",
                   f"Machine = make_machine({scenario!r})", "state = Machine()",
                   "state.refines_the_model()"]
-    elif engine in OWN_MACHINES:
+    elif cache_engine(engine).machine is not None:
         header = ["from hiradix.conformance.scenario import Scenario",
-                  f"from {OWN_MACHINES[engine]} import make_machine",
+                  "from hiradix.engines import cache_engine",
                   "from hiradix_model import StorageSettings", "",
-                  f"Machine = make_machine({engine!r}, {scenario!r})", "state = Machine()",
-                  "state.engine_refines_the_model()"]
+                  f"Machine = cache_engine({engine!r}).machine({scenario!r}, None)",
+                  "state = Machine()", "state.engine_refines_the_model()"]
     else:
-        header = ["from hiradix.conformance.adapters import factory",
+        header = ["from hiradix.engines import factory",
                   "from hiradix.conformance.differential import make_differential",
                   "from hiradix.conformance.scenario import Scenario", "",
                   f"Machine = make_differential(factory({engine!r}, {scenario!r}))",
@@ -245,6 +230,12 @@ def watched(machine: type[RuleBasedStateMachine], tally: Tally,
     return Watched
 
 
+def component(name: str) -> ComponentEngine:
+    engine = BUILT_IN[name]
+    assert isinstance(engine, ComponentEngine)
+    return engine
+
+
 def hybrid_page_sizes(page_sizes: Sequence[int]) -> list[int]:
     return [p for p in page_sizes if p <= HYBRID_MAX_PAGE] or [1]
 
@@ -274,17 +265,9 @@ def run_hybrid(args: argparse.Namespace, results: CheckResults) -> int:
     started = time.monotonic()
     options = {"until": started + args.seconds, "examples": args.examples,
                "steps": args.steps, "batch": args.batch, "seeded": args.seed}
-    campaign: ComponentCampaign
-    if args.engine in REQUEST_LEVEL:  # vLLM's coordinator, request by request (13.9)
-        campaign = run_vllm_hybrid_campaign(args.page_sizes, **options)
-    elif args.engine in MAMBA_REQUEST_LEVEL:  # vLLM's Mamba groups per request (13m.8a)
-        campaign = run_vllm_mamba_campaign(args.page_sizes, **options)
-    elif args.engine in MAMBA_ENGINES:
-        campaign = run_mamba_campaign(args.engine, mamba_builder(args.engine),
-                                      args.page_sizes, **options)
-    else:
-        campaign = run_hybrid_campaign(args.engine, builder(args.engine), args.page_sizes,
-                                       **options)
+    engine = lookup(args.engine)
+    assert isinstance(engine, ComponentEngine)  # validated() sent only these here
+    campaign = engine.campaign(args.page_sizes, **options)
     results.add(component_result(campaign, args.version, time.monotonic() - started))
     if campaign.failure is not None:
         return hybrid_failed(campaign)
@@ -312,7 +295,7 @@ def machine_result(args: argparse.Namespace, tally: Tally, covered: set[Scenario
         reached={**dict(sorted(tally.ops.items())),
                  **{spec_id: tally.exercised[spec_id] for spec_id in EXERCISED}},
         unreached=unreached(tally, covered, args.engine), failure=failure,
-        reproducer=script)
+        reproducer=script, beyond_server=args.beyond_server)
 
 
 def rank_result(campaign: RankCampaign, seconds: float) -> CampaignResult:
@@ -325,7 +308,7 @@ def rank_result(campaign: RankCampaign, seconds: float) -> CampaignResult:
 
 
 def run(args: argparse.Namespace, results: CheckResults) -> int:
-    if args.engine in HYBRID_ENGINES or args.engine in MAMBA_ENGINES:
+    if args.component:
         return run_hybrid(args, results)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
                        args.device, args.storage)
@@ -360,7 +343,8 @@ def run(args: argparse.Namespace, results: CheckResults) -> int:
             break
         scenario = scenarios[index % len(scenarios)]
         watch = Watch()
-        machine = watched(machine_for(args.engine, scenario, tally), tally, watch)
+        machine = watched(machine_for(args.engine, scenario, tally, args.beyond_server),
+                          tally, watch)
         scoped = settings(batch, database=ScopedDatabase(
             database, f"{args.engine}/{scenario.slug()}/{scenario.device}"))
         report: list[str] = []
@@ -411,8 +395,8 @@ def run(args: argparse.Namespace, results: CheckResults) -> int:
               flush=True)
         return 2
     campaign = None
-    hybrid: HybridCampaign | None = None
-    mamba: MambaCampaign | None = None
+    hybrid: ComponentCampaign | None = None
+    mamba: ComponentCampaign | None = None
     if ranks:
         # Drawn from --seed where given, so that a seeded campaign replays.
         rng = random.Random(args.seed if args.seed is not None else random.getrandbits(64))
@@ -433,16 +417,16 @@ def run(args: argparse.Namespace, results: CheckResults) -> int:
         examples = (None if args.examples is None
                     else max(1, args.examples // EXAMPLES_PER_HYBRID_EXAMPLE))
         part_started = time.monotonic()
-        hybrid = run_hybrid_campaign(
-            "ours-swa", builder("ours-swa"), hybrid_page_sizes(args.page_sizes),
+        hybrid = component("ours-swa").campaign(
+            hybrid_page_sizes(args.page_sizes),
             until=swa_until if args.examples is None else math.inf,
             examples=examples, steps=args.steps, seeded=args.seed)
         results.add(component_result(hybrid, "hiradix", time.monotonic() - part_started))
         if hybrid.failure is not None:
             return hybrid_failed(hybrid)
         part_started = time.monotonic()
-        mamba = run_mamba_campaign(
-            "ours-mamba", mamba_builder("ours-mamba"), hybrid_page_sizes(args.page_sizes),
+        mamba = component("ours-mamba").campaign(
+            hybrid_page_sizes(args.page_sizes),
             until=started + args.seconds if args.examples is None else math.inf,
             examples=examples, steps=args.steps, seeded=args.seed)
         results.add(component_result(mamba, "hiradix", time.monotonic() - part_started))
@@ -524,6 +508,10 @@ def report_failure(args: argparse.Namespace, scenario: Scenario, tally: Tally,
     script = reproducer(scenario, report + list(getattr(failure, "__notes__", [])),
                         args.engine)
     print(f"FAILED on {scenario}\n{type(failure).__name__}: {failure}\n", flush=True)
+    if args.beyond_server:
+        print(f"(run with --beyond-server: the calls {args.engine}'s server refuses were "
+              "driven too, so this failure may not be reachable through its server; run "
+              "without it to see whether it is)", flush=True)
     results.add(machine_result(args, tally, covered, seconds,
                                failure=f"FAILED on {scenario}\n{type(failure).__name__}: "
                                        f"{failure}", script=script))
@@ -635,9 +623,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     check.add_argument("--storage", type=lambda v: v.split(","), default=list(STORAGE_NAMES),
                        help="the storage tiers of the matrix (ours only): none, memory, "
                             "file (default: all three)")
-    check.add_argument("--engine", choices=(*COPY_ENGINES, *ENGINES, *HYBRID_ENGINES,
-                                            *MAMBA_ENGINES),
-                       default="controlled",
+    check.add_argument("--engine", default="controlled",
                        help="controlled / cuda: ours through the full conformance machine "
                             "(copies finished in any order); the others: an engine through "
                             "its adapter and the differential suite (sglang: 0.5.20 "
@@ -653,6 +639,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                             "ours-mamba, sglang-mamba: a (FULL, MAMBA) cache through the "
                             "Mamba machine of spec/13m; vllm-mamba: vLLM's coordinator "
                             "with a Mamba group (align mode) request by request)")
+    check.add_argument("--beyond-server", action="store_true",
+                       help="also drive the calls the engine's server never makes (the "
+                            "guards its adapter declares); a failure found so may not be "
+                            "reachable through the server, and is labelled so")
     check.add_argument("--device", default="cpu")
     check.add_argument("--report", default=None, metavar="DIR",
                        help="write plots here: hit rate per tier over the requests served, "
@@ -804,6 +794,9 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--storage: the storage tier is checked on ours only (--engine "
                          f"{', '.join(COPY_ENGINES)}); --engine {args.engine} runs without")
     _device(args.device)
+    if args.beyond_server and args.engine in COPY_ENGINES:
+        raise UsageError(f"--beyond-server: --engine {args.engine} is ours, which has no "
+                         "server guards")
     if args.engine == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--engine cuda: this machine has no CUDA device "
@@ -811,23 +804,27 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
         if args.device == "cpu":
             args = replace_namespace(args, device="cuda")
     version = "hiradix"
-    if args.engine in HYBRID_ENGINES or args.engine in MAMBA_ENGINES:
-        try:
-            version = (probe_mamba(args.engine) if args.engine in MAMBA_ENGINES
-                       else probe_hybrid(args.engine))
-        except EngineUnavailable as missing:
-            raise UsageError(str(missing)) from None
-        return replace_namespace(args, version=version,
-                                 page_sizes=hybrid_page_sizes(args.page_sizes))
     if args.engine not in COPY_ENGINES:
         try:
-            version = probe(args.engine)
+            engine = lookup(args.engine)
+            version = engine.probe()
+        except EngineError as unknown:
+            raise UsageError(f"{unknown}; controlled, cuda: ours through the full "
+                             "conformance machine") from None
         except EngineUnavailable as missing:
             raise UsageError(str(missing)) from None
+        if args.beyond_server and (isinstance(engine, ComponentEngine)
+                                   or engine.machine is not None):
+            raise UsageError(f"--beyond-server: {args.engine}'s campaign has no guards to "
+                             "lift (only engines the differential machine drives through "
+                             "an EngineAdapter declare them)")
+        if isinstance(engine, ComponentEngine):
+            return replace_namespace(args, version=version, component=True,
+                                     page_sizes=hybrid_page_sizes(args.page_sizes))
         if args.page_sizes == list(DEFAULT_PAGE_SIZES):
             # Requests are up to 14 tokens: page size 16 would cache nothing.
             args = replace_namespace(args, page_sizes=[1, 2, 4])
-    args = replace_namespace(args, version=version)
+    args = replace_namespace(args, version=version, component=False)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
                        args.device, args.storage)
     if not scenarios:
@@ -843,7 +840,7 @@ def smoke(engine: str, version: str, scenario: Scenario) -> None:
     one its adapter was written against fails here, as a usage error, rather than as a
     conformance failure with a meaningless reproducer."""
     try:
-        adapter = factory(engine, scenario)()
+        adapter = cache_engine(engine).factory(scenario)()
         try:
             adapter.observe(initial(adapter.config))
         finally:

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-from hiradix.conformance.adapters import lmcache_env
-from hiradix.conformance.adapters.lmcache_env import Rig, RigConfig
+from hiradix.engines.lmcache import env as lmcache_env
+from hiradix.engines.lmcache.env import Rig, RigConfig
 
 from engine_env import require
 
@@ -232,7 +232,7 @@ def test_build_refuses_a_second_engine_of_one_id(rig: Rig, tmp_path: Path) -> No
 # and a lock held, which no fixture could clean up. The child prints what it saw.
 DEV_L2_SCENARIO = """
 import sys, tempfile, threading, torch
-from hiradix.conformance.adapters import lmcache_env
+from hiradix.engines.lmcache import env as lmcache_env
 rig = lmcache_env.build(lmcache_env.RigConfig(cpu_gb=2.3e-5), tempfile.mkdtemp())
 tokens, stored, loaded = list(range(8)), torch.arange(0, 8), torch.arange(16, 24)
 lmcache_env.fill(rig, stored, seed=1)

@@ -16,10 +16,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.cli import main
 from hiradix.conformance.abstraction import CORRUPT
-from hiradix.conformance.adapters import factory
-from hiradix.conformance.adapters.sglang import SglangAdapter
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
+from hiradix.engines.sglang.radix import SglangAdapter
 from hiradix_model import Key, initial, trace
 
 from engine_env import require
@@ -229,8 +229,8 @@ def test_dev6_a_write_back_eviction_is_complete_when_evict_returns() -> None:
     """spec/07 DEV-6, run: evict() under write_back copies the victim to host, waits for
     the copy and frees its device slots in the one call: afterwards nothing is in
     flight, the page is host-only and the host slots hold its KV bytes."""
-    from hiradix.conformance.adapters.sglang import LAYERS, TOKEN_SHAPE, read_host_kv
     from hiradix.conformance.kv import patterns
+    from hiradix.engines.sglang.radix import LAYERS, TOKEN_SHAPE, read_host_kv
     from hiradix_model.keys import content_at
     adapter = _write_back()
     _put(adapter, (1, 2), 1)

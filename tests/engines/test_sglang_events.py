@@ -17,10 +17,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
-from hiradix.conformance.adapters import factory
 from hiradix.conformance.differential import make_differential, tokens
 from hiradix.conformance.scenario import Scenario
-from hiradix.conformance.sglang_events import SglangEvents
+from hiradix.engines import factory
+from hiradix.engines.sglang.events import SglangEvents
 
 from engine_env import require
 

@@ -23,9 +23,9 @@ from hybrid_support import bounded
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters.sglang_mamba import SglangMambaAdapter, build
 from hiradix.conformance.mamba.engine import MambaHit, MambaView
 from hiradix.conformance.mamba.machine import make_mamba_machine
+from hiradix.engines.sglang.mamba import SglangMambaAdapter, build
 from hiradix_model import Key
 from hiradix_model.mamba import MambaConfig
 

@@ -25,15 +25,15 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from test_sglang_mamba import checked, put  # the device-tier adapter's helpers
 
-from hiradix.conformance.adapters.sglang_mamba_hicache import (
+from hiradix.conformance.mamba.engine import MambaHit, MambaView
+from hiradix.conformance.mamba.machine import make_mamba_machine
+from hiradix.engines.sglang.mamba_hicache import (
     MAMBA_POLICIES,
     MambaPolicy,
     SglangMambaHiCacheAdapter,
     build_hicache,
 )
-from hiradix.conformance.adapters.sglang_unified import radix_key
-from hiradix.conformance.mamba.engine import MambaHit, MambaView
-from hiradix.conformance.mamba.machine import make_mamba_machine
+from hiradix.engines.sglang.unified import radix_key
 from hiradix_model import Key
 from hiradix_model.mamba import MambaConfig
 

@@ -23,10 +23,10 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.abstraction import CORRUPT
-from hiradix.conformance.adapters import factory
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import describe_difference
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
 from hiradix_model import Key, State, ops, trace
 
 ENGINE = "sglang-unified-rust"
@@ -39,7 +39,7 @@ def rust_tree_core() -> None:
         pytest.skip("sglang is not installed here (make sglang23-env)")
     if importlib.metadata.version("sglang") != "0.5.23":
         pytest.skip("the Rust tree core ships with sglang 0.5.23")
-    from hiradix.conformance.adapters.sglang_rust import probe
+    from hiradix.engines.sglang.rust import probe
     probe(ENGINE)  # EngineUnavailable here is a broken environment: the test fails
 
 
@@ -70,7 +70,7 @@ def test_the_rust_core_refines_the_model(scenario: Scenario) -> None:
 def without_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adapter without its Python reference core: the hidden fields (DEV-R1) are the
     model's, and nothing is adopted."""
-    from hiradix.conformance.adapters.sglang_rust import SglangRustAdapter
+    from hiradix.engines.sglang.rust import SglangRustAdapter
     monkeypatch.setattr(SglangRustAdapter, "_reference", lambda self, scenario: None)
 
 
@@ -251,7 +251,7 @@ def test_hidden_fields_come_from_the_reference_core_not_the_model() -> None:
 def test_a_rust_core_that_parts_from_its_reference_is_caught() -> None:
     """The reference is checked before it is read: a reference that evicted a page the
     Rust core still holds is reported (Parted), not used."""
-    from hiradix.conformance.adapters.sglang_rust_reference import Parted
+    from hiradix.engines.sglang.rust_reference import Parted
     machine = _machine()
     adapter = machine.engine
     assert adapter.reference is not None
@@ -285,7 +285,7 @@ def _kept_after(core: str, strategy: str, inserts: list[tuple[int, ...]],
     them must go: SGLang evicts whole nodes); which of ``pages`` are still cached."""
     from array import array
 
-    from hiradix.conformance.adapters.sglang_rust import _prepare
+    from hiradix.engines.sglang.rust import _prepare
     m = _prepare().modules
     ps, slots = 2, 12
     m["context"].publish(m["args"].ServerArgs(model_path="dummy", device="cpu",

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters import factory
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.machine import describe_difference
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
 from hiradix_model import Key, State
 from hiradix_model.errors import IllegalChoice
 
@@ -35,7 +35,7 @@ def rust_tree_core() -> None:
         pytest.skip("sglang is not installed here (make sglang23-env)")
     if importlib.metadata.version("sglang") != "0.5.23":
         pytest.skip("the Rust tree core ships with sglang 0.5.23")
-    from hiradix.conformance.adapters.sglang_rust_hicache import probe
+    from hiradix.engines.sglang.rust_hicache import probe
     probe(ENGINE)  # EngineUnavailable here is a broken environment: the test fails
 
 
@@ -43,7 +43,7 @@ def rust_tree_core() -> None:
 def without_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The adapter without its Python reference core: the hidden fields (DEV-R1) are the
     model's, and nothing is adopted."""
-    from hiradix.conformance.adapters.sglang_rust_hicache import SglangRustHicacheAdapter
+    from hiradix.engines.sglang.rust_hicache import SglangRustHicacheAdapter
     monkeypatch.setattr(SglangRustHicacheAdapter, "_reference", lambda self, scenario: None)
 
 
@@ -202,7 +202,7 @@ def test_hidden_fields_come_from_the_host_reference_core_not_the_model() -> None
 def test_a_rust_core_that_parts_from_its_host_reference_is_caught() -> None:
     """A host eviction the reference core did not make: the two trees' host slots
     differ, and observe refuses (Parted)."""
-    from hiradix.conformance.adapters.sglang_rust_reference import Parted
+    from hiradix.engines.sglang.rust_reference import Parted
     machine = _cycled()
     adapter = machine.engine
     assert adapter.cache.evict_host(2) > 0

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from hiradix.conformance.adapters import factory
-from hiradix.conformance.adapters.sglang_rust_lockstep import Lockstep
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
+from hiradix.engines.sglang.rust_lockstep import Lockstep
 from hiradix_model.errors import IllegalChoice
 
 
@@ -34,7 +34,7 @@ def both_tree_cores() -> None:
         pytest.skip("sglang is not installed here (make sglang23-env)")
     if importlib.metadata.version("sglang") != "0.5.23":
         pytest.skip("the Rust tree core ships with sglang 0.5.23")
-    from hiradix.conformance.adapters.sglang_rust import probe
+    from hiradix.engines.sglang.rust import probe
     probe("sglang-unified-rust")  # EngineUnavailable here is a broken environment
 
 Step = tuple[str, dict[str, Any]]
@@ -116,7 +116,7 @@ def test_dev_r1_lfu_findings_are_dev_1_the_python_core_evicts_the_same(
     assert _on_adapter("sglang-unified-rust", scenario, steps) is None  # with the reference
     assert _cores_agree_throughout(scenario, steps) > 0, "no eviction: nothing was compared"
     assert _on_adapter("sglang-unified", scenario, steps) is None
-    from hiradix.conformance.adapters.sglang_rust import SglangRustAdapter
+    from hiradix.engines.sglang.rust import SglangRustAdapter
     monkeypatch.setattr(SglangRustAdapter, "_reference", lambda self, scenario: None)
     found = _on_adapter("sglang-unified-rust", scenario, steps)
     assert found is not None and found.startswith(f"victims[0]: {victim}"), found

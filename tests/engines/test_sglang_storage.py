@@ -34,7 +34,7 @@ def sglang_installed() -> str:
 
 
 def machine_class(scenario: Scenario, tally: Tally | None = None) -> Any:
-    from hiradix.conformance.sglang_storage_machine import make_machine
+    from hiradix.engines.sglang.storage_machine import make_machine
     return make_machine(ENGINE, scenario, tally)
 
 

@@ -18,16 +18,16 @@ import pytest
 from hybrid_support import bounded, heal_a_locked_tombstone, run_until
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters.sglang_swa import (
+from hiradix.conformance.hybrid.campaign import hybrid_configs
+from hiradix.conformance.hybrid.engine import SwaView
+from hiradix.conformance.hybrid.machine import make_swa_machine
+from hiradix.engines.sglang.swa import (
     WRITE_POLICIES,
     SglangSwaAdapter,
     WritePolicy,
     build,
     build_hicache,
 )
-from hiradix.conformance.hybrid.campaign import hybrid_configs
-from hiradix.conformance.hybrid.engine import SwaView
-from hiradix.conformance.hybrid.machine import make_swa_machine
 from hiradix_model import Key
 from hiradix_model.hybrid import SwaConfig
 

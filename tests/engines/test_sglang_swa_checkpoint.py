@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from hiradix.conformance.adapters.sglang_swa import SglangSwaAdapter
 from hiradix.conformance.hybrid.abstraction import Codes, abstract, mapping_problems
 from hiradix.conformance.hybrid.machine import state_problems
+from hiradix.engines.sglang.swa import SglangSwaAdapter
 from hiradix_model import Key
 from hiradix_model import hybrid as model
 from hiradix_model.errors import IllegalChoice, PreconditionError

@@ -19,11 +19,11 @@ import pytest
 from hybrid_support import bounded
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters.sglang_rust_reference import Parted
-from hiradix.conformance.adapters.sglang_swa_rust import SglangSwaRustAdapter, build
 from hiradix.conformance.hybrid.campaign import hybrid_configs
 from hiradix.conformance.hybrid.engine import SwaView
 from hiradix.conformance.hybrid.machine import make_swa_machine
+from hiradix.engines.sglang.rust_reference import Parted
+from hiradix.engines.sglang.swa_rust import SglangSwaRustAdapter, build
 from hiradix_model import Key
 from hiradix_model.hybrid import SwaConfig
 

@@ -18,10 +18,10 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.cli import main
-from hiradix.conformance.adapters import factory, probe
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.tally import Tally
+from hiradix.engines import factory, probe
 from hiradix_model import Key, initial, trace
 
 ENGINE = "sglang-unified"
@@ -84,14 +84,14 @@ def test_a_trace_recorded_from_the_unified_cache_replays_clean(tmp_path: Path,
 
 
 def test_the_python_tree_core_is_the_one_under_test() -> None:
-    from hiradix.conformance.adapters.sglang_unified import SglangUnifiedAdapter, prepare
+    from hiradix.engines.sglang.unified import SglangUnifiedAdapter, prepare
     adapter = SglangUnifiedAdapter(Scenario(page_size=1))
     assert type(adapter.cache.tree_core) is prepare().modules["core"].UnifiedTreeCore
     adapter.close()
 
 
 def unified(scenario: Scenario | None = None) -> Any:
-    from hiradix.conformance.adapters.sglang_unified import SglangUnifiedAdapter
+    from hiradix.engines.sglang.unified import SglangUnifiedAdapter
     return SglangUnifiedAdapter(scenario or Scenario(page_size=1))
 
 
@@ -129,7 +129,7 @@ def test_dev23_last_host_node_is_the_best_match_even_without_a_host_copy() -> No
     adapter = unified(Scenario(page_size=1, write_policy="write_through_selective"))
     put(adapter, (1, 2))  # one hit: below the selective threshold, no backup
     m = adapter.m["base"]
-    from hiradix.conformance.adapters.sglang_unified import radix_key
+    from hiradix.engines.sglang.unified import radix_key
     raw = adapter.cache.match_prefix(m.MatchPrefixParams(key=radix_key(adapter.uenv,
                                                                        Key((1, 2)))))
     node = adapter._node(Key((1, 2)))
@@ -198,7 +198,7 @@ def test_dev25_inserted_len_inside_a_node_counts_the_whole_node() -> None:
     if adapter.v20:
         pytest.skip("0.5.20's insert takes chunked, not inserted_len")
     put(adapter, (1, 2, 3, 4))
-    from hiradix.conformance.adapters.sglang_unified import radix_key, to_engine
+    from hiradix.engines.sglang.unified import radix_key, to_engine
     slots = adapter.alloc(2)
     value = to_engine(adapter._device_prefix(Key((1, 2, 3, 4))) + slots, 1)
     adapter.cache.insert(adapter.m["base"].InsertParams(
@@ -235,7 +235,7 @@ def test_dev26_an_insert_queues_its_backups_until_flushed() -> None:
     adapter = unified()
     if adapter.v20:
         pytest.skip("0.5.20 issues each backup at once")
-    from hiradix.conformance.adapters.sglang_unified import radix_key, to_engine
+    from hiradix.engines.sglang.unified import radix_key, to_engine
     slots = adapter.alloc(2)
     adapter.cache.insert(adapter.m["base"].InsertParams(
         key=radix_key(adapter.uenv, Key((1, 2))), value=to_engine(slots, 1)))
@@ -291,7 +291,7 @@ def test_touch_prefix_changes_what_a_match_changes() -> None:
         put(adapter, (1, 2, 3), (1, 4))
         adapter.set_time(3)
         if touch:
-            from hiradix.conformance.adapters.sglang_unified import radix_key
+            from hiradix.engines.sglang.unified import radix_key
             adapter.cache.touch_prefix(radix_key(adapter.uenv, Key((1, 2))))
         else:
             adapter.match_prefix(Key((1, 2)))

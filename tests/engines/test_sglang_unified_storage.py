@@ -31,7 +31,7 @@ NO_LIMIT = 10 ** 9
 
 def machine_class(scenario: Scenario, tally: Tally | None = None) -> Any:
     # Imported here: the machine imports SGLang, which most environments lack.
-    from hiradix.conformance.sglang_unified_storage_machine import make_machine
+    from hiradix.engines.sglang.unified_storage_machine import make_machine
     return make_machine(ENGINE, scenario, tally)
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from test_sglang_adapters import _put
 
-from hiradix.conformance.adapters import factory
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
 from hiradix_model import Key, Victim, initial, ops
 
 HIRADIX = "sglang"  # HiRadixCache, 0.5.20 only (removed in 0.5.22)

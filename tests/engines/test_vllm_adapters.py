@@ -13,11 +13,11 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters import probe, scenario_space
-from hiradix.conformance.adapters.vllm import VllmDevice
 from hiradix.conformance.scenario import Scenario
 from hiradix.conformance.tally import Tally
-from hiradix.conformance.vllm_machine import make_machine
+from hiradix.engines import probe, scenario_space
+from hiradix.engines.vllm.cache import VllmDevice
+from hiradix.engines.vllm.machine import make_machine
 from hiradix_model import Key, initial, trace
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hiradix.conformance.adapters.vllm_hybrid import (
+from hiradix.engines.vllm.hybrid import (
     FULL,
     SWA,
     BlockView,
@@ -28,7 +28,7 @@ from hiradix.conformance.adapters.vllm_hybrid import (
     PoolView,
     VllmHybrid,
 )
-from hiradix.conformance.hybrid.vllm_machine import (
+from hiradix.engines.vllm.hybrid_machine import (
     REACH,
     content_problems,
     make_vllm_hybrid_machine,

@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from hiradix.conformance.adapters.vllm_hybrid import BlockView, PoolView
-from hiradix.conformance.adapters.vllm_mamba import (
+from hiradix.engines.vllm.hybrid import BlockView, PoolView
+from hiradix.engines.vllm.mamba import (
     MAMBA,
     MambaHit,
     MambaSetup,
     MambaView,
     VllmMamba,
 )
-from hiradix.conformance.mamba.vllm_machine import (
+from hiradix.engines.vllm.mamba_machine import (
     REACH,
     cached_content_problems,
     make_vllm_mamba_machine,

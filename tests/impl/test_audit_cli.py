@@ -55,7 +55,7 @@ def test_a_budget_that_would_never_end_or_never_start_is_a_usage_error(
     assert out == ""
 
 
-ARGPARSE = [["--seconds"], ["--seconds", "soon"], ["--engine", "mine"], ["--steps", "1.5"]]
+ARGPARSE = [["--seconds"], ["--seconds", "soon"], ["--steps", "1.5"]]
 
 
 @pytest.mark.parametrize("argv", ARGPARSE, ids=[" ".join(a) for a in ARGPARSE])
@@ -66,6 +66,15 @@ def test_a_value_argparse_refuses_is_one_line_too(
     _no_work(monkeypatch)
     assert cli.main(["check", *argv]) == 2
     _one_line(capsys.readouterr().err, f"hiradix check: argument {argv[0]}", argv[0])
+
+
+def test_an_unknown_engine_is_one_line_listing_the_known(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _no_work(monkeypatch)
+    assert cli.main(["check", "--engine", "mine"]) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "hiradix check: --engine: unknown engine 'mine'", "--engine")
+    assert "controlled" in err and "sglang-unified" in err and "module:attribute" in err
 
 
 def test_show_refuses_a_missing_value_in_one_line(
@@ -109,7 +118,7 @@ def test_the_budget_is_checked_between_the_steps_of_an_example(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """An example of 100 000 steps of 20 ms each would take half an hour: the deadline
     stops it between steps."""
-    def endless(engine: str, scenario: object, tally: Tally) -> type:
+    def endless(engine: str, scenario: object, tally: Tally, beyond: bool) -> type:
         class Endless(RuleBasedStateMachine):
             def __init__(self) -> None:
                 super().__init__()
@@ -270,7 +279,7 @@ def test_a_failure_the_budget_cuts_off_before_its_replay_is_still_a_failure(
     was reported as a clean run."""
     failed: list[bool] = []
 
-    def once(engine: str, scenario: object, tally: Tally) -> type:
+    def once(engine: str, scenario: object, tally: Tally, beyond: bool) -> type:
         class Once(RuleBasedStateMachine):
             def __init__(self) -> None:
                 super().__init__()

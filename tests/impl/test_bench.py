@@ -7,7 +7,9 @@ import argparse
 
 import pytest
 
-from hiradix.conformance import bench, bench_profile, bench_scale
+from hiradix.bench import cache as bench
+from hiradix.bench import profile as bench_profile
+from hiradix.bench import scale as bench_scale
 
 
 def test_options_fill_what_an_older_parser_lacks() -> None:

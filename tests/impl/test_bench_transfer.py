@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hiradix.conformance import bench_transfer
+from hiradix.bench import transfer as bench_transfer
 from hiradix.host_pool import HostKVPool
 
 

@@ -42,7 +42,7 @@ def test_a_clean_run_lists_every_campaign_it_ran(tmp_path: Path,
 
 def test_a_failure_is_a_failed_case_with_its_reproducer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing_machine(engine: str, scenario: object, tally: Tally) -> type:
+    def failing_machine(engine: str, scenario: object, tally: Tally, beyond: bool) -> type:
         class Failing(RuleBasedStateMachine):
             def __init__(self) -> None:
                 super().__init__()

@@ -3,6 +3,7 @@ never a conformance FAILED with a reproducer (issue #6, "failing loudly")."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import time
@@ -13,7 +14,7 @@ import torch
 from hypothesis import settings
 
 from hiradix import cli
-from hiradix.conformance.adapters import ENGINES, EngineUnavailable, probe
+from hiradix.engines import BUILT_IN, EngineUnavailable, probe
 
 BAD = [
     (["--examples", "0"], "--examples: must be positive"),
@@ -58,18 +59,18 @@ def test_a_missing_engine_is_a_usage_error_naming_its_setup(
 
 
 def test_every_engine_is_registered_with_a_probe() -> None:
-    assert set(ENGINES) >= {"ours", "sglang", "sglang-radix", "sglang-unified",
+    assert set(BUILT_IN) >= {"ours", "sglang", "sglang-radix", "sglang-unified",
                             "sglang-unified-rust", "vllm", "vllm-offload"}
     assert probe("ours") == "hiradix"
 
 
 def test_an_engine_whose_api_changed_is_a_usage_error(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    def renamed(engine: str, scenario: object) -> object:
+    def renamed(scenario: object) -> object:
         def build() -> object:
             raise AttributeError("module 'sglang.srt.mem_cache' has no attribute 'HiRadixCache'")
         return build
-    monkeypatch.setattr(cli, "factory", renamed)
+    monkeypatch.setitem(BUILT_IN, "ours", dataclasses.replace(BUILT_IN["ours"], factory=renamed))
     assert cli.main(["check", "--engine", "ours", "--seconds", "1"]) == 2
     out, err = capsys.readouterr()
     assert "does not match its adapter's API" in err and "HiRadixCache" in err
@@ -156,7 +157,7 @@ def test_seconds_bounds_the_run_shrinking_included(
 
     from hiradix.conformance.tally import Tally
 
-    def slow_machine(engine: str, scenario: object, tally: Tally) -> type:
+    def slow_machine(engine: str, scenario: object, tally: Tally, beyond: bool) -> type:
         class Slow(RuleBasedStateMachine):
             def __init__(self) -> None:
                 super().__init__()

@@ -19,10 +19,10 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.cli import main
 from hiradix.conformance import infer
-from hiradix.conformance.adapters import factory
-from hiradix.conformance.adapters.ours import OursAdapter
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
+from hiradix.engines.ours.cache import OursAdapter
 from hiradix.policies import STRATEGIES
 from hiradix_model import Config, Key, Page, State, Victim, initial, ops, trace
 from hiradix_model.errors import IllegalChoice

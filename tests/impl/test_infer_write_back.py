@@ -17,9 +17,9 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance import infer
-from hiradix.conformance.adapters import factory
 from hiradix.conformance.differential import make_differential
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines import factory
 from hiradix.policies import STRATEGIES
 from hiradix_model import Config, Key, State, Victim, initial, ops
 from hiradix_model.errors import IllegalChoice

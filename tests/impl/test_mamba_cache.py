@@ -12,7 +12,7 @@ import torch
 
 from hiradix.clock import ManualClock
 from hiradix.config import KVShape
-from hiradix.conformance.adapters.ours_mamba import OursMambaAdapter, build
+from hiradix.engines.ours.mamba import OursMambaAdapter, build
 from hiradix.errors import (
     ConfigError,
     ForeignNode,

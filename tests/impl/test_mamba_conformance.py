@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters.ours_mamba import build
 from hiradix.conformance.mamba.campaign import REACH, MambaCampaign, run_campaign
 from hiradix.conformance.mamba.machine import make_mamba_machine
+from hiradix.engines.ours.mamba import build
 from hiradix.mamba import evict, tree
 from hiradix.mamba.node import MambaNode, split
 from hiradix.mamba.pools import StatePool

@@ -62,7 +62,7 @@ def test_without_matplotlib_report_and_plot_are_usage_errors(
 
 
 def test_the_bench_plot_takes_the_tables_medians(tmp_path: Path) -> None:
-    from hiradix.conformance.bench import medians
+    from hiradix.bench.cache import medians
 
     rows = [["1", "insert", "unified-python", "832.4 (1124)", "442.5", "768.8 (1121)", "369.9",
              "0.92", "0.84"],

@@ -11,7 +11,7 @@ import torch
 
 from hiradix.clock import ManualClock
 from hiradix.config import KVShape
-from hiradix.conformance.adapters.ours_swa import build
+from hiradix.engines.ours.swa import build
 from hiradix.errors import (
     ConfigError,
     ForeignNode,

@@ -16,9 +16,9 @@ import torch
 from hybrid_support import bounded, heal_a_locked_tombstone
 from hypothesis.stateful import run_state_machine_as_test
 
-from hiradix.conformance.adapters.ours_swa import build
 from hiradix.conformance.hybrid.campaign import hybrid_configs
 from hiradix.conformance.hybrid.machine import make_swa_machine
+from hiradix.engines.ours.swa import build
 from hiradix.hybrid.cache import SwaCache
 from hiradix.hybrid.pools import SwaPools
 from hiradix.hybrid.tree import SwaTree

@@ -30,12 +30,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hiradix.conformance import infer
-from hiradix.conformance.adapters.base import EngineAdapter
 from hiradix.conformance.coverage import tally_states
 from hiradix.conformance.infer import left_device, left_host
 from hiradix.conformance.machine import EXERCISED, describe_difference
 from hiradix.conformance.recording import Recording
 from hiradix.conformance.tally import Tally
+from hiradix.engines.protocol import EngineAdapter
 from hiradix_model import Key, State, initial, ops, trace, violations
 from hiradix_model.keys import content_at, page_keys, sort_key
 from hiradix_model.ops._draft import Draft
@@ -142,9 +142,11 @@ class EngineSteps(Recording):
                 self.counts.exercised[spec_id] += 1
 
 
-def make_differential(factory: Callable[[], EngineAdapter],
-                      tally: Tally | None = None) -> type[RuleBasedStateMachine]:
-    """A state machine class driving the engines ``factory`` builds, one per example."""
+def make_differential(factory: Callable[[], EngineAdapter], tally: Tally | None = None,
+                      beyond_server: bool = False) -> type[RuleBasedStateMachine]:
+    """A state machine class driving the engines ``factory`` builds, one per example.
+    It steers clear of the situations each engine ``avoid``s (known bugs) and, unless
+    ``beyond_server``, of those its server never creates (``guards``)."""
     counts = tally if tally is not None else Tally()
 
     class Differential(EngineSteps, RuleBasedStateMachine):
@@ -154,6 +156,8 @@ def make_differential(factory: Callable[[], EngineAdapter],
             self.engine = factory()
             self.model = initial(self.engine.config)
             self.adopted = frozenset(self.engine.adopted)
+            self.steered = frozenset(self.engine.avoid) | (
+                frozenset() if beyond_server else frozenset(self.engine.guards))
             self.why = "; ".join(f"{k}: {v}" for k, v in self.engine.adopted.items())
             self.now = 0
             self.caller_locks: list[Key | None] = []
@@ -388,7 +392,7 @@ def make_differential(factory: Callable[[], EngineAdapter],
                 self.load_both(want.last_host_page)
 
         @precondition(lambda self: self.has("reset") and not (
-            self.model.pending and "reset_with_copies_in_flight" in self.engine.avoid))
+            self.model.pending and "reset_with_copies_in_flight" in self.steered))
         @rule(go=st.integers(0, 15))
         def reset(self, go: int) -> None:
             if go == 0:

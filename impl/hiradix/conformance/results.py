@@ -31,6 +31,9 @@ class CampaignResult:
     unreached: list[str] = field(default_factory=list)
     failure: str | None = None  # what broke, as printed
     reproducer: str | None = None  # the printed reproducer script, where there is one
+    # Driven beyond the engine's server guards (--beyond-server): a failure may not be
+    # reachable through the server.
+    beyond_server: bool = False
 
 
 @dataclass
@@ -62,6 +65,8 @@ class CheckResults:
             _properties(suite, {"engine": campaign.engine, "version": campaign.version,
                                 "examples": campaign.examples, "steps": campaign.steps,
                                 "configurations": campaign.configurations,
+                                "server": ("beyond server" if campaign.beyond_server
+                                           else "server guards respected"),
                                 **{f"reached.{k}": v for k, v in campaign.reached.items()}})
             case = ET.SubElement(suite, "testcase", classname=f"hiradix.check.{campaign.engine}",
                                  name=campaign.name, time=f"{campaign.seconds:.3f}")

@@ -1,0 +1,1 @@
+"""Benchmarks: our cache against its peers as shipped, at scale, and the transfer engines."""

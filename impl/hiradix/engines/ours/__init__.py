@@ -1,0 +1,1 @@
+"""hiradix itself as an engine: the adapters over our own caches."""
