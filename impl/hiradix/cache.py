@@ -17,10 +17,11 @@ import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Concatenate, Literal, NamedTuple, ParamSpec, TypeVar
+from typing import Concatenate, Literal, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
+from hiradix import checker
 from hiradix._slots import SlotMarks, is_int
 from hiradix.clock import Clock, CountingClock
 from hiradix.config import CacheConfig, KVShape
@@ -40,12 +41,10 @@ from hiradix.events import EventChannel, EventKind, EventSink, KVEvent, Medium, 
 from hiradix.host_pool import HostKVPool, HostLayout
 from hiradix.keys import TOKEN_BYTES, RadixKey, child_key, common_pages
 from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
+from hiradix.storage.backend import StorageBackend
+from hiradix.storage.tier import StorageTier, TierSettings
 from hiradix.transfer import Direction, EngineKind, TransferEngine, make_engine
 from hiradix.tree import TreeNode, split
-
-if TYPE_CHECKING:  # the storage tier imports this module
-    from hiradix.storage.backend import StorageBackend
-    from hiradix.storage.tier import StorageTier, TierSettings
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -65,8 +64,8 @@ def _delivering(method: Callable[Concatenate[HiRadixCache, Params], Returned]
     """``method`` as one operation of the event channel: its KV events reach the sink
     after it has returned, its state whole (spec/11, 11.7)."""
     @functools.wraps(method)
-    def operation(self: HiRadixCache, *args: Params.args, **kwargs: Params.kwargs
-                  ) -> Returned:
+    def operation(self: HiRadixCache, /, *args: Params.args, **kwargs: Params.kwargs
+                  ) -> Returned:  # ``self`` positional only, as ``Concatenate`` says
         return self.event_channel.run(method, self, *args, **kwargs)
     return operation
 
@@ -147,7 +146,7 @@ class HiRadixCache:
         check_sync(sync)
         check_sink(events)
         if not is_int(device_slots) or device_slots < page_size \
-                or device_slots % page_size:  # type: ignore[operator]
+                or device_slots % page_size:
             raise ConfigError("device_slots", f"must be an int, a positive multiple of "
                                               f"page_size {page_size}, got {device_slots!r}")
         shape = KVShape() if kv is None else kv
@@ -259,13 +258,22 @@ class HiRadixCache:
             self.event_channel.emit(KVEvent("cleared", "device"))
             self.event_channel.emit(KVEvent("cleared", "host"))
 
+    @property
+    def device_owned(self) -> SlotMarks:
+        """Which device slots a node owns (the checker audits it against the tree,
+        INV-DEVICE-POOL-CONSERVATION). Read only: the cache keeps it."""
+        return self._device_owned
+
     def evictable_size(self) -> int:
         return self.evictable_tokens
 
     def protected_size(self) -> int:
         return self.protected_tokens
 
-    def _now(self) -> int:
+    def now(self) -> int:
+        """The cache's logical clock read for one operation (spec/09, 9.1 "Which clock
+        counts what": recency stamps are always this clock), recorded as ``last_tick``;
+        ``InvalidArgument`` on ``clock`` if it went backwards (INV-CLOCK-MONOTONE)."""
         tick = self.clock.now()
         if tick < self.last_tick:
             raise InvalidArgument("clock", f"went backwards ({tick} < {self.last_tick})")
@@ -308,11 +316,14 @@ class HiRadixCache:
             self._count(n, -1)
             n.lock_ref += delta
             self._count(n, +1)
-            self._refresh(n)
+            self.refresh_leaf_sets(n)
         return self.evictable_tokens - before
 
-    def _refresh(self, node: TreeNode) -> None:
-        """Recompute ``node``'s membership of the two evictable-leaf sets."""
+    def refresh_leaf_sets(self, node: TreeNode) -> None:
+        """Recompute ``node``'s membership of the two evictable-leaf sets, after a change
+        of its tiers, counters or children (INV-DEVICE-/HOST-EVICTABLE-LEAVES; the storage
+        tier's host protections keep pages out of them, spec/09 9.4 "Changes to
+        operations of 03")."""
         if node is self.root:
             return
         device_leaf = node.device is not None and node.lock_ref == 0
@@ -334,13 +345,17 @@ class HiRadixCache:
             self.host_leaves.add(node)
             self._host_order.joined(node)
 
-    def _refresh_around(self, node: TreeNode) -> None:
-        self._refresh(node)
+    def refresh_leaf_sets_around(self, node: TreeNode) -> None:
+        """``refresh_leaf_sets`` on ``node`` and its parent: after ``node`` was split off
+        or hung under it (spec/09, 9.3 S-R4's insert)."""
+        self.refresh_leaf_sets(node)
         if node.parent is not None:
-            self._refresh(node.parent)
+            self.refresh_leaf_sets(node.parent)
 
-    def _page_refs(self, node: TreeNode) -> list[PageRef]:
-        """The node's pages as (namespace, full prefix), deepest first."""
+    def page_refs(self, node: TreeNode) -> list[PageRef]:
+        """The node's pages as (namespace, full prefix), deepest first: how a decision
+        record and the storage tier's audit name a page (spec/09, 9.2 "Host protection
+        holders")."""
         prefix = node.prefix()
         end = len(prefix)
         start = end - len(node.tokens)
@@ -354,7 +369,10 @@ class HiRadixCache:
             raise InvalidArgument("key", f"must be a RadixKey, got {type(key).__name__}")
         return key
 
-    def _require_node(self, node: object, argument: str = "node") -> TreeNode:
+    def require_node(self, node: object, argument: str = "node") -> TreeNode:
+        """``node`` if it is a node of this cache's tree now, else ``ForeignNode`` naming
+        ``argument`` (another cache's, removed, or from before a reset); also the storage
+        tier's check of a prefetch anchor (spec/09, 9.4 ``query_storage_hit_length``)."""
         if not isinstance(node, TreeNode):
             raise ForeignNode(argument, f"must be a TreeNode, got {type(node).__name__}")
         if node.owner is not self:
@@ -388,8 +406,10 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ match
 
-    def _walk(self, key: RadixKey, stop_at: int) -> list[tuple[TreeNode, int]]:
-        """The nodes along ``key`` (without splitting) and how many tokens of each match."""
+    def walk(self, key: RadixKey, stop_at: int) -> list[tuple[TreeNode, int]]:
+        """The nodes along ``key``'s first ``stop_at`` tokens (without splitting) and how
+        many tokens of each match: a read-only walk (the storage tier checks a backup run
+        with it, spec/09 9.4 ``backup_pages``)."""
         walked = []
         node, start = self.root, 0
         packed = key.packed
@@ -404,23 +424,26 @@ class HiRadixCache:
             node, start = child, start + matched
         return walked
 
-    def _descend(self, key: RadixKey, stop_at: int,
-                 walked: list[tuple[TreeNode, int]] | None = None) -> list[TreeNode]:
-        """Like _walk, but split the last node where the key leaves it. ``walked``: this
-        very walk, done before with nothing changed since (it saves a second walk)."""
+    def descend(self, key: RadixKey, stop_at: int,
+                walked: list[tuple[TreeNode, int]] | None = None) -> list[TreeNode]:
+        """Like ``walk``, but split the last node where the key leaves it, so the nodes
+        returned cover whole the matched part of ``key[:stop_at]`` (splits are
+        unobservable, spec/06; the storage tier resolves page runs with it, spec/09 9.3
+        S-R1 and S-R4). ``walked``: this very walk, done before with nothing changed since
+        (it saves a second walk)."""
         nodes = []
-        for child, matched in self._walk(key, stop_at) if walked is None else walked:
+        for child, matched in self.walk(key, stop_at) if walked is None else walked:
             if matched < len(child.tokens):
                 child = split(child, matched, self.page_size)
-                self._refresh_around(child)
+                self.refresh_leaf_sets_around(child)
             nodes.append(child)
         return nodes
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """The longest cached page prefix of ``key``; stamps the matched pages (spec/03.2)."""
         key = self._require_key(key)
-        now = self._now()
-        # One pass down the matched path (issue 13): ``_descend``'s walk, each node taken
+        now = self.now()
+        # One pass down the matched path (issue 13): ``descend``'s walk, each node taken
         # as it is reached. Device nodes come first on the path (INV-DEVICE-PREFIX-
         # CLOSED), the host-only ones after.
         # Positions in bytes of ``key.packed`` (issue 29): a child's key is a slice of
@@ -444,7 +467,7 @@ class HiRadixCache:
                                        end // TOKEN_BYTES) * TOKEN_BYTES
                 leaves = True
                 child = split(child, matched // TOKEN_BYTES, size)
-                self._refresh_around(child)
+                self.refresh_leaf_sets_around(child)
             child.last_tick = now
             if child.device is not None:
                 parts.append(child.device)
@@ -597,15 +620,15 @@ class HiRadixCache:
             raise InvalidArgument("chunked", f"must be a bool, got {chunked!r}")
         aligned = key.aligned_length(self.page_size)
         self._require_counted_from(counted_from, aligned)
-        walked = self._walk(key, aligned)
+        walked = self.walk(key, aligned)
         self._check_insert_slots(slots, walked)
-        now = self._now()
+        now = self.now()
         counted = aligned if chunked else counted_from
         if 0 < counted < aligned:
             # Hits are per node: put a node boundary at ``counted`` (splits are unobservable).
-            self._descend(key, counted)
-            walked = self._walk(key, aligned)  # the split changed the path
-        touched = self._descend(key, aligned, walked)
+            self.descend(key, counted)
+            walked = self.walk(key, aligned)  # the split changed the path
+        touched = self.descend(key, aligned, walked)
         counting: list[TreeNode] = []  # the nodes this insert counts: those from ``counted`` on
         prefix = 0
         start = 0
@@ -618,7 +641,7 @@ class HiRadixCache:
                     node.hits += 1
             else:  # host-only: adopt the recomputed KV; not a hit, not a cached prefix
                 self._set_device(node, slots[start:start + len(node.tokens)].clone())
-                self._refresh_around(node)
+                self.refresh_leaf_sets_around(node)
             if start >= counted:
                 counting.append(node)
             start += len(node.tokens)
@@ -659,7 +682,7 @@ class HiRadixCache:
         node.hits = hits
         parent.children[node.child_key(self.page_size)] = node
         self._set_device(node, slots[start:end].clone())
-        self._refresh_around(node)
+        self.refresh_leaf_sets_around(node)
         return node
 
     # ------------------------------------------------------------------ backup
@@ -680,7 +703,7 @@ class HiRadixCache:
         """Back up ``run`` (a chain, root-most first) all or nothing, in one copy."""
         single = len(run) == 1  # the common case, without generators or lists
         need = len(run[0].tokens) if single else sum(len(n.tokens) for n in run)
-        victims = self._make_host_room(need)
+        victims = self.make_host_room(need)
         host = self._agreed_alloc(self.host_pool, need, "backup alloc")
         if host is None:
             self._record_backup(victims, None)
@@ -714,7 +737,7 @@ class HiRadixCache:
 
         Returns False if the host has no room for them even after evicting on host.
         """
-        node = self._require_node(node)
+        node = self.require_node(node)
         if node is self.root or node.device is None or node.host is not None:
             raise InvalidArgument("node", "must be on device and not yet backed up")
         return self._backup(self._missing_suffix(node))
@@ -764,7 +787,7 @@ class HiRadixCache:
                 assert covered is not None, f"copy {copy.ticket} lost its nodes"
                 for node in covered:
                     node.host_ref -= 1
-                    self._refresh(node)
+                    self.refresh_leaf_sets(node)
             elif self.event_channel.enabled:  # the backup landed: its pages are on host
                 landed = copy.nodes()
                 assert landed is not None, f"copy {copy.ticket} lost its nodes"
@@ -777,36 +800,29 @@ class HiRadixCache:
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock ``node`` and its ancestors against eviction; return the evictable change."""
-        node = self._require_node(node)
+        node = self.require_node(node)
         if node is self.root:
             return 0
         if node.device is None:
             raise InvalidArgument("node", f"{node!r} is not on device; load it back first")
+        node.anchored_locks += 1
         return self._add_lock(node, +1)
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        """Release one caller lock taken by inc_lock_ref; return the evictable change."""
-        node = self._require_node(node)
+        """Release one caller lock taken by inc_lock_ref at ``node``; return the evictable
+        change. ``NotLocked`` on ``node`` and nothing changed if no lock was taken there
+        (spec/03 3.7): every lock is one at its anchor and on each page above, so a lock
+        taken at ``node`` leaves a caller lock on every page of its path, and none is a
+        copy's, a lock taken below ``node`` or another caller's at a sibling."""
+        node = self.require_node(node)
         if node is self.root:
             return 0
-        held_by_copies = self._copy_locks()
-        for n in node.path():
-            if n.lock_ref - held_by_copies.get(n, 0) < 1:
-                raise NotLocked("node", f"{node!r}: no caller lock to release on {n!r}")
-        deeper = [c for c in node.children.values() if c.lock_ref >= node.lock_ref]
-        if deeper:  # the lock was taken below: releasing it here unbalances the path
-            raise NotLocked("node", f"{node!r} holds no lock taken there: its child "
-                                    f"{deeper[0]!r} holds as many")
+        if node.anchored_locks < 1:  # O(1): the count inc_lock_ref keeps (issue 30)
+            raise NotLocked("node", f"{node!r} holds no lock taken there by inc_lock_ref "
+                                    "(its locks, if any, are held below it or by copies in "
+                                    "flight)")
+        node.anchored_locks -= 1
         return self._add_lock(node, -1)
-
-    def _copy_locks(self) -> dict[TreeNode, int]:
-        """Locks on each node that copies in flight hold."""
-        held: dict[TreeNode, int] = {}
-        for queue in self.pending.values():
-            for copy in queue:
-                for n in copy.lock_node.path():
-                    held[n] = held.get(n, 0) + 1
-        return held
 
     # ------------------------------------------------------------------ eviction
 
@@ -853,14 +869,14 @@ class HiRadixCache:
             assert node.parent is not None
             if node.host is not None or not write_back:
                 if recorder is not None:  # page refs cost O(prefix) to build
-                    victims.extend(DeviceVictim(p) for p in self._page_refs(node))
+                    victims.extend(DeviceVictim(p) for p in self.page_refs(node))
                 evicted += self._drop_device_copy(node, freed)
             else:
                 if len(node.tokens) > self.page_size:
                     # write_back moves one page at a time, so that a host that fills up
                     # half way through a node drops only what did not fit.
                     upper = split(node, len(node.tokens) - self.page_size, self.page_size)
-                    self._refresh_around(upper)
+                    self.refresh_leaf_sets_around(upper)
                 victim, moved = self._evict_write_back(node, freed)
                 victims.append(victim)
                 if not moved:
@@ -873,7 +889,7 @@ class HiRadixCache:
         """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
         release (the whole eviction's slots in one checked call).
 
-        ``_set_device(node, None, releasing=True)`` and ``_refresh_around`` written out
+        ``_set_device(node, None, releasing=True)`` and ``refresh_leaf_sets_around`` written out
         for the one case eviction has (issue 13: an unlocked device leaf losing its
         copy), so each counter and leaf set is touched once: the node was an evictable
         device leaf, and only it and its parent can change leaf sets."""
@@ -886,9 +902,9 @@ class HiRadixCache:
         self.evictable_tokens -= len(node.tokens)  # INV-ACCOUNTING: it was unlocked
         self.device_leaves.discard(node)
         if node.host is not None:
-            self._refresh(node)  # now perhaps a host leaf
+            self.refresh_leaf_sets(node)  # now perhaps a host leaf
             assert node.parent is not None
-            self._refresh(node.parent)
+            self.refresh_leaf_sets(node.parent)
         else:
             assert not node.children, f"{node!r}: a device-only leaf with children"
             self._detach(node)
@@ -901,7 +917,7 @@ class HiRadixCache:
         self.device_leaves.discard(node)
         self.host_leaves.discard(node)
         node.parent = None
-        self._refresh(parent)
+        self.refresh_leaf_sets(parent)
 
     def _evict_write_back(self, node: TreeNode,
                           freed: list[torch.Tensor]) -> tuple[DeviceVictim, bool]:
@@ -909,8 +925,8 @@ class HiRadixCache:
         if no room and its host-only subtree holds a protected copy, keep it on device
         (spec/09, S-R5). Returns the victim and whether the device page was freed (its
         device slots, and any of the subtree, go to ``freed``)."""
-        page = self._page_refs(node)[0]
-        host_victims = self._make_host_room(self.page_size)
+        page = self.page_refs(node)[0]
+        host_victims = self.make_host_room(self.page_size)
         host = self._agreed_alloc(self.host_pool, self.page_size, "write-back alloc")
         assert node.device is not None
         if host is None:
@@ -927,7 +943,7 @@ class HiRadixCache:
             self._emit("stored", "host", node)
         freed.append(node.device)
         self._set_device(node, None, releasing=True)
-        self._refresh_around(node)
+        self.refresh_leaf_sets_around(node)
         if self.on_write_back is not None:
             self.on_write_back(node)
         return DeviceVictim(page, tuple(host_victims), tuple(host.tolist())), True
@@ -976,7 +992,10 @@ class HiRadixCache:
             self.recorder.host_victims.extend(victims)
         return evicted
 
-    def _make_host_room(self, need: int) -> list[PageRef]:
+    def make_host_room(self, need: int) -> list[PageRef]:
+        """Evict host-only pages until ``need`` host slots are free, or none is left;
+        return the victims, deepest page first per node (spec/03 R2; a prefetch makes room
+        for its shortfall only, spec/09 9.4 ``prefetch_from_storage`` and DEV-S7)."""
         # The room is agreed (spec/12, 12.3): every rank evicts the same pages.
         shortfall = need - self.sync.min(self.host_pool.num_free_slots, "host room")
         return self._evict_host(shortfall)[1] if shortfall > 0 else []
@@ -1006,7 +1025,7 @@ class HiRadixCache:
                 break
             assert node.parent is not None and node.host is not None
             if self.recorder is not None:
-                victims.extend(self._page_refs(node))
+                victims.extend(self.page_refs(node))
             if self.event_channel.enabled:
                 self._emit("removed", "host", node)
             freed.append(node.host)
@@ -1025,7 +1044,7 @@ class HiRadixCache:
         Returns the device slots, or None when the load is below the threshold, over
         ``mem_quota``, or finds no device room even after evicting.
         """
-        node = self._require_node(node)
+        node = self.require_node(node)
         if node is self.root or node.device is not None:
             raise InvalidArgument("node", "must be a node whose KV is only on host")
         self._require_count(mem_quota, "mem_quota", optional=True)
@@ -1048,7 +1067,7 @@ class HiRadixCache:
         shortfall = tokens - self.sync.min(self.device_pool.num_free_slots, "load room")
         for n in chain:  # host eviction while making room must not take the chain
             n.host_ref += 1
-            self._refresh(n)
+            self.refresh_leaf_sets(n)
         if anchor is not self.root:
             self._add_lock(anchor, +1)
         locked = anchor is not self.root
@@ -1063,12 +1082,12 @@ class HiRadixCache:
                 self._add_lock(anchor, -1)
             for n in chain:
                 n.host_ref -= 1
-                self._refresh(n)
+                self.refresh_leaf_sets(n)
             raise
         if device is None:
             for n in chain:
                 n.host_ref -= 1
-                self._refresh(n)
+                self.refresh_leaf_sets(n)
             self._record_load(victims, None)
             return None
         if len(chain) == 1:  # the common case: the allocation is the node's tensor
@@ -1079,7 +1098,7 @@ class HiRadixCache:
                 self._set_device(n, device[start:start + len(n.tokens)])
                 start += len(n.tokens)
         for n in chain:
-            self._refresh_around(n)
+            self.refresh_leaf_sets_around(n)
         sources = [n.host for n in chain if n.host is not None]
         source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("h2d", device, source)
@@ -1100,7 +1119,7 @@ class HiRadixCache:
     def init_load_back(self, node: TreeNode,
                        mem_quota: int | None = None) -> tuple[torch.Tensor, TreeNode]:
         """Load ``node`` back if it is host-only; return the slots and the node to use."""
-        node = self._require_node(node)
+        node = self.require_node(node)
         self._require_count(mem_quota, "mem_quota", optional=True)
         if node is self.root or node.device is not None:
             return EMPTY, node
@@ -1148,8 +1167,6 @@ class HiRadixCache:
         from then on ``writing_check`` backs acknowledged pages up to it and
         ``check_invariants`` counts the host slots it holds. Re-attaching the same backend
         only updates the prefetch policy. Typed errors leave everything as it was."""
-        from hiradix.storage.tier import StorageTier  # the tier imports this module
-
         tier = self._storage
         previous_reset = self.on_reset
         if tier is None:
@@ -1192,9 +1209,7 @@ class HiRadixCache:
         With a storage tier made by ``attach_storage_backend``, host slots it holds
         (reserved by a prefetch, or queued for release) count as its own, not leaked
         (spec/09, 9.2); ``storage.check()`` audits the tier's own bookkeeping."""
-        from hiradix.checker import check
-
-        check(self)
+        checker.check(self)
 
     def dump(self) -> str:
         """The tree, one node per line, for error messages."""

@@ -90,6 +90,25 @@ def _lock_monotone(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     found += [f"{n!r}: lock exceeds its parent's {n.parent!r}" for n in nodes
               if n.parent is not cache.root and n.parent is not None
               and n.parent.lock_ref < n.lock_ref]
+    return found + _anchors(cache, nodes)
+
+
+def _anchors(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
+    """Every lock is taken at one node (its anchor) and counted there and on each node
+    above (``_add_lock``), so a node's lock is exactly the caller locks taken at it
+    (``anchored_locks``, what ``dec_lock_ref`` may release, spec/03 3.7), the copies in
+    flight locked at it, and its children's locks. Between operations nothing else holds
+    a lock (``load_back``'s hold on its anchor ends inside the call)."""
+    copies: Counter[TreeNode] = Counter(copy.lock_node for queue in cache.pending.values()
+                                        for copy in queue)
+    found = []
+    for node in nodes:
+        below = sum(child.lock_ref for child in node.children.values())
+        if node.anchored_locks < 0 or \
+                node.lock_ref != node.anchored_locks + copies[node] + below:
+            found.append(f"{node!r}: lock {node.lock_ref} is not its caller locks taken "
+                         f"there ({node.anchored_locks}) + copies in flight locked there "
+                         f"({copies[node]}) + its children's locks ({below})")
     return found
 
 
@@ -123,7 +142,7 @@ def _device_pool(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     owned = [s for n in nodes if n.device is not None for s in n.device.tolist()]
     found = _ownership(owned, cache.device_pool.free_slots(), cache.device_pool.num_slots,
                        "device")
-    marked = set(cache._device_owned.tensor.nonzero().flatten().tolist())
+    marked = set(cache.device_owned.tensor.nonzero().flatten().tolist())
     if marked != set(owned):
         found.append(f"ownership map disagrees with the tree: marked only "
                      f"{sorted(marked - set(owned))}, unmarked {sorted(set(owned) - marked)}")

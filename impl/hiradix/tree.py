@@ -20,6 +20,7 @@ _ids = itertools.count(1)
 
 class TreeNode:
     __slots__ = (
+        "anchored_locks",
         "children",
         "device",
         "hits",
@@ -51,6 +52,9 @@ class TreeNode:
         self.device: torch.Tensor | None = None  # int64 device slots, one per token
         self.host: torch.Tensor | None = None  # int64 host slots, one per token
         self.lock_ref = 0  # locks on this node or below it (INV-LOCK-MONOTONE)
+        # Caller locks taken *at* this node (inc_lock_ref(node), not yet released): what
+        # dec_lock_ref(node) may release, in O(1) (spec/03 3.7).
+        self.anchored_locks = 0
         self.host_ref = 0  # holders forbidding the host copy's release (INV-HOST-PROTECT)
         self.hits = 0
         self.last_tick = tick
@@ -95,7 +99,9 @@ def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
     The original object keeps the *lower* part, so handles to the deepest node of an
     in-flight copy (its lock node) stay valid and still mark the copy's end. Both parts
     keep every counter: a lock, a host protection or a hit on the node was one on each of
-    its pages.
+    its pages. Except ``anchored_locks``: a lock taken at the node was taken at its last
+    page, which the lower part (this object) keeps, so the upper part starts with none
+    (its lock count is then exactly its child's, spec/03 3.7).
     """
     assert 0 < at < len(node.tokens) and at % page_size == 0, (at, len(node.tokens))
     parent = node.parent

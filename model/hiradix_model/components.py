@@ -53,15 +53,16 @@ class Locked(Protocol):
     def lock(self) -> int: ...
 
 
-def require_lock_ends_at(pages: Mapping[Key, Locked], page: Key, page_size: int) -> None:
-    """A release at ``page`` must release a lock taken there: ``page`` holds more locks
-    than each of its cached children (else the lock was taken deeper, and releasing it
-    here would leave a child locked more than its parent)."""
-    here = pages[page].lock
-    deeper = [key for key, record in pages.items()
-              if record.lock >= here and parent_page(key, page_size) == page]
-    require(not deeper, "page", f"{page} holds {here} locks, its child "
-            f"{deeper[0] if deeper else None} as many: no lock taken at page to release")
+def require_lock_ends_at(pages: Mapping[Key, Locked], page: Key, page_size: int) -> int:
+    """A release at ``page`` must release a lock taken there: ``page``'s locks less its
+    cached children's (the locks taken at it) are at least 1; returns that count. (A
+    release above the lock taken would leave a child locked more than its parent.)"""
+    below = sum(record.lock for key, record in pages.items()
+                if parent_page(key, page_size) == page)
+    taken = pages[page].lock - below
+    require(taken >= 1, "page", f"{page} holds {pages[page].lock} locks, its children "
+            f"{below}: no lock taken at page to release")
+    return taken
 
 
 def one_page(slots: tuple[int, ...], page_size: int) -> bool:

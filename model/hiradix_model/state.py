@@ -148,6 +148,13 @@ def in_flight(state: State, direction: Direction) -> frozenset[int]:
     return frozenset(s for t in state.pending if t.direction == direction for s in t.dst)
 
 
+def locks_taken_at(state: State, page: Key) -> int:
+    """The ``inc_lock_ref`` calls outstanding at ``page`` (spec/03 3.7): its locks less
+    its cached children's and less the copies in flight locked at it."""
+    below = sum(state.pages[child].lock for child in children_of(state, page))
+    return state.pages[page].lock - below - sum(t.lock == page for t in state.pending)
+
+
 def transfer_locks(state: State, page: Key) -> int:
     """Locks on ``page`` that pending copies hold (each locks its ``lock`` page's root path)."""
     return sum(page in root_path(state, t.lock) for t in state.pending)

@@ -401,3 +401,32 @@ def test_a_release_must_release_a_lock_taken_at_that_page() -> None:
     assert error.value.argument == "page" and "no lock taken at page" in str(error.value)
     state, _ = ops.dec_lock_ref(state, Key((1, 1)))
     assert all(p.lock == 0 for p in state.pages.values())
+
+
+def test_a_release_above_two_locked_children_is_refused() -> None:
+    """spec/03 3.7: (1,) holds two locks, one from each locked child and none taken at
+    it; releasing one there would leave a child locked more than (1,) once that child's
+    own release follows (found by the implementation's exact anchor count)."""
+    state = initial(config(write_policy="write_back"))
+    for key in (Key((1, 1)), Key((1, 2))):
+        state, _ = put(state, key, 1)
+        state, _ = ops.inc_lock_ref(state, key)
+    assert state.pages[Key((1,))].lock == 2
+    with pytest.raises(PreconditionError, match="no lock taken at page"):
+        ops.dec_lock_ref(state, Key((1,)))
+    for key in (Key((1, 1)), Key((1, 2))):
+        state, _ = ops.dec_lock_ref(state, key)
+    assert all(p.lock == 0 for p in state.pages.values())
+
+
+def test_a_copy_lock_at_a_page_is_no_caller_lock_there() -> None:
+    """spec/03 3.7: a backup in flight locked at (1,) and a caller lock at (1, 1) give
+    (1,) two locks, neither a caller's taken at it: a release at (1,) is refused."""
+    state = initial(config(write_policy="write_through"))
+    state, _ = put(state, Key((1,)), 1)  # write-through: a backup locked at (1,)
+    assert any(t.lock == Key((1,)) for t in state.pending)
+    state, _ = put(state, Key((1, 1)), 1)
+    state, _ = ops.inc_lock_ref(state, Key((1, 1)))
+    with pytest.raises(PreconditionError, match="no lock taken at page"):
+        ops.dec_lock_ref(state, Key((1,)))
+    state, _ = ops.dec_lock_ref(state, Key((1, 1)))

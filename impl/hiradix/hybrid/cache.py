@@ -276,6 +276,7 @@ class SwaCache:
                                           "only a page a match returned can be locked")
         for n in self.tree.window_exact(node):
             n.swa_lock_ref += 1
+        node.anchored_locks += 1
         for n in node.path():
             n.lock_ref += 1
 
@@ -297,16 +298,16 @@ class SwaCache:
                                                   f"{type(swa_released).__name__}")
         if node is self.root:
             return
-        if node.lock_ref <= 0:
-            raise NotLocked("node", f"{node!r} holds no lock")
-        deeper = [c for c in node.children.values() if c.lock_ref >= node.lock_ref]
-        if deeper:  # the lock was taken below: releasing it here unbalances the path
-            raise NotLocked("node", f"{node!r} holds no lock taken there: its child "
-                                    f"{deeper[0]!r} holds as many")
+        if node.anchored_locks <= 0:  # O(1): the count inc_lock_ref keeps (issue 30)
+            # A lock taken below (or none): releasing it here unbalances the path.
+            raise NotLocked("node", f"{node!r} holds no lock taken there"
+                                    + (" (its locks are held below it)" if node.lock_ref
+                                       else ""))
         if not swa_released:
             self._check_swa_locked(node)
             for n in self.tree.window_exact(node):
                 n.swa_lock_ref -= 1
+        node.anchored_locks -= 1
         for n in node.path():
             n.lock_ref -= 1
 

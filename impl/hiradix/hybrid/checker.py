@@ -143,6 +143,13 @@ def violations(tree: SwaTree, pools: SwaPools) -> list[Violation]:
         parent = node.parent
         if parent is not None and parent is not tree.root and parent.lock_ref < node.lock_ref:
             found.append(("INV-SWA-LOCKS", f"{node!r}: locked more often than its parent"))
+        # Every lock is counted at the node it was taken at and on each node above, and
+        # only callers lock: a node's lock is the locks taken at it plus its children's.
+        below = sum(child.lock_ref for child in node.children.values())
+        if node.anchored_locks < 0 or node.lock_ref != node.anchored_locks + below:
+            found.append(("INV-SWA-LOCKS", f"{node!r}: lock {node.lock_ref} is not the "
+                                           f"locks taken there ({node.anchored_locks}) + "
+                                           f"its children's ({below})"))
         if node.swa_lock_ref > 0 and node.swa is None:
             found.append(("INV-SWA-LOCKS", f"{node!r}: a tombstone inside a locked window"))
     return found

@@ -248,6 +248,7 @@ class MambaCache:
             return
         for n in checked.path():
             n.lock_ref += 1
+        checked.anchored_locks += 1
         if with_state:
             checked.state_lock_ref += 1
 
@@ -267,19 +268,21 @@ class MambaCache:
         checked = self._check_lock_call(node, state_released, "state_released")
         if checked is self.root:
             return
-        if checked.lock_ref <= 0:
-            raise NotLocked("node", f"{checked!r} holds no lock")
-        deeper = [c for c in checked.children.values() if c.lock_ref >= checked.lock_ref]
-        if deeper:  # the lock was taken below: releasing it here unbalances the path
-            raise NotLocked("node", f"{checked!r} holds no lock taken there: its child "
-                                    f"{deeper[0]!r} holds as many")
-        if state_released and checked.lock_ref <= checked.state_lock_ref:
-            raise InvalidArgument("state_released", f"every lock on {checked!r} still holds "
-                                                    "its state part")
+        if checked.anchored_locks <= 0:  # O(1): the count inc_lock_ref keeps (issue 30)
+            # A lock taken below (or none): releasing it here unbalances the path.
+            raise NotLocked("node", f"{checked!r} holds no lock taken there"
+                                    + (" (its locks are held below it)" if checked.lock_ref
+                                       else ""))
+        # Among the locks taken here, one without its state part: a lock taken below
+        # has none at this node, so ``lock_ref`` would count it wrongly (issue 30).
+        if state_released and checked.anchored_locks <= checked.state_lock_ref:
+            raise InvalidArgument("state_released", f"every lock taken at {checked!r} still "
+                                                    "holds its state part")
         if not state_released and checked.state_lock_ref <= 0:
             raise NotLocked("node", f"{checked!r} holds no state lock")
         if not state_released:
             checked.state_lock_ref -= 1
+        checked.anchored_locks -= 1
         for n in checked.path():
             n.lock_ref -= 1
 

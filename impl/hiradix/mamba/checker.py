@@ -90,8 +90,15 @@ def _locks(tree: MambaTree, nodes: list[MambaNode]) -> Iterator[str]:
         parent = node.parent
         if parent is not None and parent is not tree.root and parent.lock_ref < node.lock_ref:
             yield f"{node!r}: locked more often than its parent"
-        if node.state_lock_ref > node.lock_ref:
-            yield f"{node!r}: more state locks than path locks"
+        # Every lock is counted at the node it was taken at and on each node above, and
+        # only callers lock: a node's lock is the locks taken at it plus its children's;
+        # a state lock is the state part of a lock taken at the node.
+        below = sum(child.lock_ref for child in node.children.values())
+        if node.anchored_locks < 0 or node.lock_ref != node.anchored_locks + below:
+            yield (f"{node!r}: lock {node.lock_ref} is not the locks taken there "
+                   f"({node.anchored_locks}) + its children's ({below})")
+        if node.state_lock_ref > node.anchored_locks:
+            yield f"{node!r}: more state locks than locks taken there"
 
 
 def violations(tree: MambaTree, pools: MambaPools, *, checksums: bool) -> list[Violation]:

@@ -18,10 +18,13 @@ PageKey = tuple[int, ...]  # a node's first page of tokens: its key in its paren
 class MambaNode:
     """A radix node: ``tokens`` (a page multiple), ``full`` slots, ``state`` (a state slot
     or None: no state, a state tombstone), ``lock_ref`` (path locks on it or below, 13m.2
-    ``lock``) and ``state_lock_ref`` (locks taken on its last page's state, counted
-    whether or not it holds one, 13m.2 ``state_lock``)."""
+    ``lock``), ``state_lock_ref`` (locks taken on its last page's state, counted
+    whether or not it holds one, 13m.2 ``state_lock``) and ``anchored_locks`` (locks
+    taken at it, with or without a state part: what ``dec_lock_ref`` may release, in
+    O(1), 13m.3)."""
 
     __slots__ = (
+        "anchored_locks",
         "attached",
         "children",
         "full",
@@ -54,6 +57,7 @@ class MambaNode:
         self.children: dict[PageKey, MambaNode] = {}
         self.lock_ref = 0
         self.state_lock_ref = 0
+        self.anchored_locks = 0
         self.last_tick = tick
         # False once deleted: a caller's handle to it is then refused (ForeignNode).
         self.attached = True
@@ -82,9 +86,11 @@ def split(node: MambaNode, at: int, page_size: int, node_id: int) -> MambaNode:
     upper part, which takes ``node_id``.
 
     The original object keeps the *lower* part, so a caller's handle (a locked match)
-    keeps naming the same last page, and with it the state and the state locks: a state
-    is the state after the node's whole key (13m.8), so the new upper part has none and
-    no state lock. Both parts keep the path lock count: it was on each of the pages.
+    keeps naming the same last page, and with it the state, the state locks and the
+    locks taken at the node (``anchored_locks``, all taken at its last page): a state is
+    the state after the node's whole key (13m.8), so the new upper part has none, no
+    state lock and no lock taken at it. Both parts keep the path lock count: it was on
+    each of the pages.
     """
     assert 0 < at < len(node.tokens) and at % page_size == 0, (at, len(node.tokens))
     parent = node.parent

@@ -1,7 +1,8 @@
 """The cache-side storage tier: prefetch into reserved host slots, backup of host copies.
 
-``StorageTier`` composes with a ``HiRadixCache`` (it does not subclass or edit it) and
-transcribes spec/09 onto the radix tree:
+``StorageTier`` composes with a ``HiRadixCache`` (it does not subclass or edit it), which
+it sees only through the ``CachePort`` protocol (``hiradix.storage.cache_port``: it never
+imports ``hiradix.cache``), and transcribes spec/09 onto the radix tree:
 
 - ``attach`` / ``detach`` / ``clear`` (9.4): validation is complete before any effect;
 - ``query_storage_hit_length`` and ``prefetch_from_storage`` (9.4): host room for the
@@ -53,11 +54,11 @@ from typing import Concatenate, Literal, ParamSpec, TypeVar
 import torch
 
 from hiradix._slots import is_int
-from hiradix.cache import HiRadixCache
 from hiradix.clock import Clock, ManualClock, MonotonicClock
 from hiradix.events import EventKind, KVEvent
 from hiradix.keys import TOKEN_BYTES, RadixKey
 from hiradix.storage.backend import StorageBackend
+from hiradix.storage.cache_port import CachePort
 from hiradix.storage.config import PREFETCH_POLICIES, PrefetchPolicy, StorageConfig
 from hiradix.storage.errors import StorageArgumentError
 from hiradix.storage.hashing import PageIdentity, page_hashes
@@ -218,7 +219,8 @@ def _serialised(method: Callable[Concatenate[StorageTier, Params], Returned]
     of the cache's event channel: its KV events reach the sink once it has returned, the
     state whole (spec/11, 11.7)."""
     @functools.wraps(method)
-    def locked(self: StorageTier, *args: Params.args, **kwargs: Params.kwargs) -> Returned:
+    def locked(self: StorageTier, /, *args: Params.args, **kwargs: Params.kwargs
+               ) -> Returned:  # ``self`` positional only, as ``Concatenate`` says
         with self.lock:
             return self.cache.event_channel.run(method, self, *args, **kwargs)
     return locked
@@ -238,10 +240,11 @@ class StorageTier:
     caller sets, exactly reproducible), else a ``MonotonicClock`` in milliseconds (an
     engine: the cache's default ``CountingClock`` counts operations, not time)."""
 
-    def __init__(self, cache: HiRadixCache, *, timeout_clock: Clock | None = None) -> None:
-        if not isinstance(cache, HiRadixCache):
-            raise StorageArgumentError("cache", f"must be a HiRadixCache, got "
-                                                f"{type(cache).__name__}")
+    def __init__(self, cache: CachePort, *, timeout_clock: Clock | None = None) -> None:
+        if not isinstance(cache, CachePort):
+            raise StorageArgumentError("cache", f"must be a cache with the storage port "
+                                                f"(hiradix.storage.cache_port.CachePort: a "
+                                                f"HiRadixCache), got {type(cache).__name__}")
         if timeout_clock is None:
             timeout_clock = (cache.clock if isinstance(cache.clock, ManualClock)
                              else MonotonicClock())
@@ -413,7 +416,7 @@ class StorageTier:
             raise StorageArgumentError("key", f"must be a RadixKey, got {type(key).__name__}")
         if anchor is None or anchor is self.cache.root:
             return 0
-        node = self.cache._require_node(anchor, "anchor")
+        node = self.cache.require_node(anchor, "anchor")
         prefix = node.prefix()
         if node.namespace != key.namespace or key.tokens[:len(prefix)] != prefix \
                 or len(prefix) > key.aligned_length(self.page_size):
@@ -425,7 +428,7 @@ class StorageTier:
     def _run_nodes(self, run: PageRun) -> list[TreeNode]:
         """The nodes covering exactly ``run`` (split at its ends); all must be cached."""
         size = self.page_size
-        nodes = self.cache._descend(run.key, run.end * size)
+        nodes = self.cache.descend(run.key, run.end * size)
         covered, position = [], 0
         for node in nodes:
             low, high = position, position + len(node.tokens)
@@ -434,7 +437,7 @@ class StorageTier:
                 continue
             if low < run.start * size:
                 upper = split(node, run.start * size - low, size)
-                self.cache._refresh_around(upper)
+                self.cache.refresh_leaf_sets_around(upper)
             covered.append(node)
         assert position == run.end * size, f"run {run} is not cached"
         return covered
@@ -443,7 +446,7 @@ class StorageTier:
         for node in self._run_nodes(run):
             node.host_ref += delta
             assert node.host_ref >= 0, node
-            self.cache._refresh(node)
+            self.cache.refresh_leaf_sets(node)
 
     def _give_up(self, prefetch: TierPrefetch, keep: int, to: Destination) -> None:
         """S-R2: the slots of pages ``keep`` on leave the prefetch, logged once each."""
@@ -506,7 +509,7 @@ class StorageTier:
         if request in self.state.prefetches:
             raise StorageArgumentError("request", f"{request!r} has a prefetch ongoing "
                                                   "(DEV-S3)")
-        now = self.cache._now()
+        now = self.cache.now()
         self.last_host_victims = []
         hashes = self._hashes(key, attachment.identity)[depth:]
         settings = attachment.settings
@@ -517,7 +520,7 @@ class StorageTier:
         if depth > 0:
             self._protect(anchor_run, +1)
         # The shortfall only (DEV-S7); the victims are kept for the conformance layer.
-        self.last_host_victims = self.cache._make_host_room(size * len(hashes))
+        self.last_host_victims = self.cache.make_host_room(size * len(hashes))
         free = self.cache.sync.min(self.cache.host_pool.num_free_slots, "prefetch room")
         fit = min(len(hashes), free // size)
         if fit == 0 or size * fit < settings.prefetch_threshold:
@@ -651,7 +654,7 @@ class StorageTier:
         """9.4: True if ``request`` need not wait for storage any more. Ending a prefetch
         inserts its landed pages (S-R4) and records the tokens in ``loaded_tokens``."""
         request = _require_request(request)
-        now = self.cache._now()
+        now = self.cache.now()
         self._poll()
         prefetch = self.state.prefetches.get(request)
         if prefetch is None:
@@ -690,7 +693,7 @@ class StorageTier:
         parent: TreeNode = cache.root
         for index in range(landed):
             page = prefetch.anchor + index
-            nodes = cache._descend(key, (page + 1) * size)
+            nodes = cache.descend(key, (page + 1) * size)
             depth = sum(len(n.tokens) for n in nodes)
             if depth < (page + 1) * size:
                 assert depth == page * size, (depth, page)
@@ -716,7 +719,7 @@ class StorageTier:
                         packed=key.packed[first * TOKEN_BYTES:end * TOKEN_BYTES])
         node.host = keep.clone()
         parent.children[node.child_key(size)] = node
-        cache._refresh_around(node)
+        cache.refresh_leaf_sets_around(node)
         if cache.event_channel.enabled:  # the prefetch insert (spec/11, 11.3)
             cache.event_channel.emit_pages("stored", "host", node.namespace, node.prefix(),
                                            len(node.tokens), size)
@@ -842,7 +845,7 @@ class StorageTier:
                                               f"non-empty run of the key's {pages} pages")
         size, position = self.page_size, 0
         arriving = self._host_copies_in_flight()
-        for node, matched in self.cache._walk(run.key, run.end * size):
+        for node, matched in self.cache.walk(run.key, run.end * size):
             low, position = position, position + matched
             if position <= run.start * size:
                 continue
@@ -976,8 +979,8 @@ class StorageTier:
             nodes = copy.nodes()
             assert nodes is not None
             for node in nodes:
-                for ref in self.cache._page_refs(node):
+                for ref in self.cache.page_refs(node):
                     holders[ref] = holders.get(ref, 0) + 1
         for node in self.cache.nodes():
-            for ref in self.cache._page_refs(node):
+            for ref in self.cache.page_refs(node):
                 assert node.host_ref == holders.get(ref, 0), (node, holders.get(ref, 0))

@@ -65,11 +65,11 @@ def dec_lock_ref(state: MambaState, page: Key | None, state_released: bool) -> M
         return state
     record = state.pages[page]
     require(record.lock > 0, "page", "is not locked")
-    require_lock_ends_at(state.pages, page, state.config.page_size)
+    taken = require_lock_ends_at(state.pages, page, state.config.page_size)
     if state_released:
-        # Every lock counted on ``page`` beyond its state locks is one without a state part.
-        require(record.lock > record.state_lock, "state_released",
-                "every lock on page still holds its state part")
+        # Every lock taken at ``page`` beyond its state locks is one without a state part.
+        require(taken > record.state_lock, "state_released",
+                "every lock taken at page still holds its state part")
     else:
         require(record.state_lock > 0, "page", "holds no state lock")
     return _shift(state, page, -1, 0 if state_released else -1)

@@ -6,7 +6,7 @@ from hiradix_model.errors import PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.invariants import check  # noqa: F401 (used by the contracts)
 from hiradix_model.keys import Key
 from hiradix_model.ops._draft import Draft, add_lock, require, require_key
-from hiradix_model.state import State, children_of, root_path, transfer_locks
+from hiradix_model.state import State, locks_taken_at
 
 
 def inc_lock_ref(state: State, page: Key | None) -> tuple[State, int]:
@@ -43,15 +43,11 @@ def dec_lock_ref(state: State, page: Key | None) -> tuple[State, int]:
     record = state.pages.get(page)
     require(record is not None, "page", f"{page} is not cached")
     assert record is not None
-    # Locks held by copies in flight are not the caller's to release.
-    for key in root_path(state, page):
-        held_by_caller = state.pages[key].lock - transfer_locks(state, key)
-        require(held_by_caller >= 1, "page", f"{page} holds no lock of the caller's on {key}")
-    # The lock released must have been taken at ``page``, not below it (spec/03 3.7).
-    for child in children_of(state, page):
-        require(state.pages[child].lock < record.lock, "page",
-                f"{page} holds {record.lock} locks, its child {child} as many: no lock "
-                "taken at page to release")
+    # The lock released must have been taken at ``page`` by a caller: not below it, not
+    # by a copy in flight (spec/03 3.7).
+    require(locks_taken_at(state, page) >= 1, "page",
+            f"{page}: no lock taken at page to release (its locks are its children's "
+            "and its copies')")
     draft = Draft(state)
     delta = add_lock(draft, page, -1)
     return draft.freeze(), delta
