@@ -223,17 +223,25 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
     def has_prefetch(self, request: str) -> bool:
         return self.entry(request) is not None
 
-    def prefetch(self, key: Key, node: Any, matched: int, request: str) -> tuple[int, int]:
-        """Issue, hit query, hit drain: the hits found and the host slots allocated."""
+    def issue_prefetch(self, key: Key, node: Any, matched: int, request: str) -> Any:
+        """``prefetch_from_storage`` alone, as the scheduler issues it after a match
+        (anchor ``node``, ``matched`` tokens on device or host): its hit query and hit
+        drain are left to the caller. The operation of the request's entry after the
+        call: the one issued, the one already tracked (SGLang then issues none, DEV-S3),
+        or None (none issued: the span is below the threshold)."""
         tokens = array("q", key.tokens[matched:])
         root = node is self.cache.root_node
         last_hash = None if root else self.cache.get_last_hash_value(node.id)
         self.cache.prefetch_from_storage(self.handle(request), node.id, tokens, last_hash,
                                          extra_key=key.namespace)
         entry = self.entry(request)
-        if entry is None:
+        return None if entry is None else entry.operation
+
+    def prefetch(self, key: Key, node: Any, matched: int, request: str) -> tuple[int, int]:
+        """Issue, hit query, hit drain: the hits found and the host slots allocated."""
+        operation = self.issue_prefetch(key, node, matched, request)
+        if operation is None:
             return 0, 0
-        operation = entry.operation
         self.pump_query()
         hits = int(operation.storage_hit_count) // self.ps
         self.drain_hits(1)
