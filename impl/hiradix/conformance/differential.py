@@ -141,6 +141,99 @@ class EngineSteps(Recording):
             if busy(self.model):
                 self.counts.exercised[spec_id] += 1
 
+    # -- calls to both, the engine's choices inferred (the differential machine's rules
+    # and the exhaustive exploration of an engine, explore/engine_pair.py, share them) --
+
+    def has(self, operation: str) -> bool:
+        return operation in self.engine.operations
+
+    def evict_both(self, num_tokens: int) -> None:
+        before = self.observe()
+        evicted = self.engine.evict(num_tokens)
+        chosen = infer.device_victims(self.model, before, self.observe(adopt=False),
+                                       num_tokens)
+        self.agree(evicted, self.step("evict", ops.evict, num_tokens, chosen))
+        self.keep_write_back_room()
+
+    def evict_host_both(self, num_tokens: int) -> None:
+        before = self.observe()
+        evicted = self.engine.evict_host(num_tokens)
+        chosen = infer.host_victims(self.model, before, self.observe(adopt=False), num_tokens)
+        self.agree(evicted, self.step("evict_host", ops.evict_host, num_tokens, chosen))
+
+    def keep_write_back_room(self) -> None:
+        """DEV-32 steering: an engine that writes back whole nodes (room for the node
+        first, dropped whole) cannot be judged page by page where a write-back victim
+        needs host room. After each device eviction and load, host pages are evicted
+        until every device page has a free host page, so no victim needs room (R2)
+        and the rest of write-back eviction is compared step by step."""
+        if ("write_back_host_room_per_node" not in self.engine.mapped
+                or self.model.config.write_policy != "write_back"):
+            return
+        need = self.model.config.device_slots - len(self.model.host_free)
+        if need > 0:
+            self.counts.ops["host room kept for write-back (DEV-32)"] += 1
+            self.evict_host_both(need)
+
+    def load_both(self, page: Key, quota: int | None = None) -> None:
+        before = self.observe()
+        loaded, last = self.engine.init_load_back(page, quota)
+        after = self.observe(adopt=False)
+        slots = infer.loaded_slots(before, after, page)
+        if "evict_for_whole_load" in self.engine.mapped and left_device(before, after):
+            # DEV-8: the engine evicted for the whole load, not the shortfall, with the
+            # chain's anchor locked. The model takes exactly those steps, then the load.
+            anchor = deepest_on_device(self.model, page)
+            self.step("inc_lock_ref", ops.inc_lock_ref, anchor)
+            tokens = len(slots) if slots else chain_tokens(self.model, page)
+            victims = infer.device_victims(self.model, before, after, tokens)
+            self.step("evict", ops.evict, tokens, victims)
+            self.step("dec_lock_ref", ops.dec_lock_ref, anchor)
+            before = after
+        # The load's target is the whole chain, whether or not room was found.
+        shortfall = chain_tokens(self.model, page) - len(self.model.device_free)
+        # The load evicts with its anchor's path locked (spec/03, init_load_back): a
+        # victim need only outrank the leaves evictable then, not the anchor itself.
+        anchor = deepest_on_device(self.model, page)
+        locked = self.model if anchor is None else ops.inc_lock_ref(self.model, anchor)[0]
+        victims = infer.device_victims(locked, before, after, max(0, shortfall))
+        result = self.step("init_load_back", ops.init_load_back, page, quota,
+                           device_victims=victims, device_slots=slots)
+        self.agree((loaded, last), result)
+        self.keep_write_back_room()
+
+    def insert_both(self, key: Key, slots: tuple[int, ...], now: int, priority: int,
+                    chunked: bool, counted: int, mine: Sequence[int]) -> None:
+        """Insert ``key`` with its KV in ``slots`` on both, the engine's backup inferred
+        (and its DEV-8 host eviction for a whole node taken first); then the caller frees
+        the slots of ``mine`` it still holds (a duplicate the cache did not take, the
+        unused tail of the last page), as a scheduler does after the insert (DEV-24)."""
+        draft = Draft(self.model)
+        _, due = insert_pages(draft, key, slots, now, priority, chunked, counted)
+        run = backup_run(draft, due)
+        before = self.observe()
+        prefix = handed(lambda given: self.engine.insert(
+            key, given, priority=priority, chunked=chunked, counted_from=counted),
+            slots)
+        after = self.observe(adopt=False)
+        if "evict_host_for_whole_node" in self.engine.mapped and left_host(before, after):
+            # DEV-8: the engine made host room for a whole node, not the shortfall;
+            # under write-through the order does not matter (DEV-15).
+            tokens = sum(self.model.config.page_size for k in left_host(before, after))
+            self.step("evict_host", ops.evict_host, tokens,
+                      infer.host_victims(self.model, before, after, tokens))
+            before = replace(before, pages={k: p for k, p in before.pages.items()
+                                            if k not in left_host(before, after)})
+        report = infer.backup(self.model, before, after, run)
+        result = self.step("insert", ops.insert, key, slots, now, priority=priority,
+                           chunked=chunked, counted_from=counted, backup=report)
+        assert isinstance(result, ops.InsertResult)
+        self.agree(ops.InsertResult(prefix, result.due), result)
+        leftover = tuple(s for s in mine if s in self.model.held)
+        if leftover:
+            handed(self.engine.free, leftover)
+            self.step("free", ops.free, leftover)
+
 
 def make_differential(factory: Callable[[], EngineAdapter], tally: Tally | None = None,
                       beyond_server: bool = False) -> type[RuleBasedStateMachine]:
@@ -176,64 +269,6 @@ def make_differential(factory: Callable[[], EngineAdapter], tally: Tally | None 
             self.engine.close()
 
         # -- plumbing -----------------------------------------------------------------
-
-        def has(self, operation: str) -> bool:
-            return operation in self.engine.operations
-
-        def evict_both(self, num_tokens: int) -> None:
-            before = self.observe()
-            evicted = self.engine.evict(num_tokens)
-            chosen = infer.device_victims(self.model, before, self.observe(adopt=False),
-                                           num_tokens)
-            self.agree(evicted, self.step("evict", ops.evict, num_tokens, chosen))
-            self.keep_write_back_room()
-
-        def evict_host_both(self, num_tokens: int) -> None:
-            before = self.observe()
-            evicted = self.engine.evict_host(num_tokens)
-            chosen = infer.host_victims(self.model, before, self.observe(adopt=False), num_tokens)
-            self.agree(evicted, self.step("evict_host", ops.evict_host, num_tokens, chosen))
-
-        def keep_write_back_room(self) -> None:
-            """DEV-32 steering: an engine that writes back whole nodes (room for the node
-            first, dropped whole) cannot be judged page by page where a write-back victim
-            needs host room. After each device eviction and load, host pages are evicted
-            until every device page has a free host page, so no victim needs room (R2)
-            and the rest of write-back eviction is compared step by step."""
-            if ("write_back_host_room_per_node" not in self.engine.mapped
-                    or self.model.config.write_policy != "write_back"):
-                return
-            need = self.model.config.device_slots - len(self.model.host_free)
-            if need > 0:
-                counts.ops["host room kept for write-back (DEV-32)"] += 1
-                self.evict_host_both(need)
-
-        def load_both(self, page: Key) -> None:
-            before = self.observe()
-            loaded, last = self.engine.init_load_back(page, None)
-            after = self.observe(adopt=False)
-            slots = infer.loaded_slots(before, after, page)
-            if "evict_for_whole_load" in self.engine.mapped and left_device(before, after):
-                # DEV-8: the engine evicted for the whole load, not the shortfall, with the
-                # chain's anchor locked. The model takes exactly those steps, then the load.
-                anchor = deepest_on_device(self.model, page)
-                self.step("inc_lock_ref", ops.inc_lock_ref, anchor)
-                tokens = len(slots) if slots else chain_tokens(self.model, page)
-                victims = infer.device_victims(self.model, before, after, tokens)
-                self.step("evict", ops.evict, tokens, victims)
-                self.step("dec_lock_ref", ops.dec_lock_ref, anchor)
-                before = after
-            # The load's target is the whole chain, whether or not room was found.
-            shortfall = chain_tokens(self.model, page) - len(self.model.device_free)
-            # The load evicts with its anchor's path locked (spec/03, init_load_back): a
-            # victim need only outrank the leaves evictable then, not the anchor itself.
-            anchor = deepest_on_device(self.model, page)
-            locked = self.model if anchor is None else ops.inc_lock_ref(self.model, anchor)[0]
-            victims = infer.device_victims(locked, before, after, max(0, shortfall))
-            result = self.step("init_load_back", ops.init_load_back, page, None,
-                               device_victims=victims, device_slots=slots)
-            self.agree((loaded, last), result)
-            self.keep_write_back_room()
 
         # -- the operations ------------------------------------------------------------
 
@@ -310,36 +345,12 @@ def make_differential(factory: Callable[[], EngineAdapter], tally: Tally | None 
                 # way here may have taken it.
                 counted = (len(counted_from.tokens) if counted_from is not None
                            and counted_from in self.inserted else 0)
-                draft = Draft(self.model)
-                _, due = insert_pages(draft, key, slots, now, priority, chunked, counted)
                 if 0 < counted < len(key.tokens) - len(key.tokens) % ps:
                     counts.ops["insert counted_from inside the key"] += 1
-                run = backup_run(draft, due)
-                before = self.observe()
-                prefix = handed(lambda given: self.engine.insert(
-                    key, given, priority=priority, chunked=chunked, counted_from=counted),
-                    slots)
-                after = self.observe(adopt=False)
-                if "evict_host_for_whole_node" in self.engine.mapped and left_host(before, after):
-                    # DEV-8: the engine made host room for a whole node, not the shortfall;
-                    # under write-through the order does not matter (DEV-15).
-                    tokens = sum(self.model.config.page_size for k in left_host(before, after))
-                    self.step("evict_host", ops.evict_host, tokens,
-                              infer.host_victims(self.model, before, after, tokens))
-                    before = replace(before, pages={k: p for k, p in before.pages.items()
-                                                    if k not in left_host(before, after)})
-                report = infer.backup(self.model, before, after, run)
-                result = self.step("insert", ops.insert, key, slots, now, priority=priority,
-                                   chunked=chunked, counted_from=counted, backup=report)
-                assert isinstance(result, ops.InsertResult)
+                self.insert_both(key, slots, now, priority, chunked, counted, new)
                 end = Key(key.tokens[:len(key.tokens) - len(key.tokens) % ps], key.namespace)
                 if end.tokens and end not in self.inserted:
                     self.inserted.append(end)
-                self.agree(ops.InsertResult(prefix, result.due), result)
-                leftover = tuple(s for s in new if s in self.model.held)
-                if leftover:
-                    handed(self.engine.free, leftover)
-                    self.step("free", ops.free, leftover)
             if keep_lock and locked is not None:
                 self.caller_locks.append(locked)
             else:

@@ -34,7 +34,9 @@ What an adapter must say about itself:
   exact counterpart for, each with its DEV id. The suite never generates them (a
   precondition); an adapter never approximates them. The names are the suite's:
   ``counted_from_inside`` (an ``insert`` whose ``counted_from`` lies strictly between 0
-  and the key's page-aligned length).
+  and the key's page-aligned length) and ``insert_cache_slot_after_caller_slot`` (an
+  ``insert`` passing one of the cache's own slots after a slot the caller holds, which
+  ``hiradix explore`` offers and no scheduler does: DEV-24).
 """
 
 from __future__ import annotations

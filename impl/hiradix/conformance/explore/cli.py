@@ -3,9 +3,11 @@ implementation (spec/14-exploration.md).
 
 For each write policy x eviction strategy asked for: a breadth-first search of the
 model (every invariant on every state), then, unless ``--model-only``, the exhaustive
-refinement of the implementation (every request from every state it reaches). Prints
-the figures of each; on a finding prints the shortest path as a runnable reproducer and
-exits 1. A command line that cannot run is one line on stderr and exit 2.
+refinement of the implementation (every request from every state it reaches; 14.4) or,
+with ``--engine NAME``, of that engine through its adapter (14.8). Prints the figures of
+each; on a finding prints the shortest path as a runnable reproducer and exits 1. A
+command line that cannot run (an engine absent, a scope it does not take) is one line on
+stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -15,10 +17,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hiradix.conformance.explore.engine_refine import (
+    RESTORES,
+    Engine,
+    EngineRefinement,
+    Restore,
+    open_engine,
+    refine_engine,
+)
 from hiradix.conformance.explore.refine import refine
 from hiradix.conformance.plots import PlotsUnavailable, pyplot
+from hiradix.engines.protocol import EngineUnavailable
 from hiradix_model.config import STRATEGIES, WRITE_POLICIES
 from hiradix_model.explore import Figures, Scope, ScopeError, explore
+
+OURS = "controlled"  # our implementation, its decisions recorded (lockstep.Pair)
 
 
 class BadCommandLine(Exception):
@@ -63,8 +76,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=None, help="budget per scope and stage")
     p.add_argument("--max-states", type=int, default=None, help="budget per scope and stage")
     p.add_argument("--model-only", action="store_true", help="skip the implementation")
-    p.add_argument("--engine", default="ours",
-                   help="the implementation under refinement; only 'ours' so far")
+    p.add_argument("--engine", default=OURS,
+                   help=f"what is refined: '{OURS}' (our implementation, the default) or "
+                        "any engine `hiradix check --engine` drives through its adapter "
+                        "(spec/14 14.8; 'ours' is our cache through its adapter)")
+    p.add_argument("--beyond-server", action="store_true",
+                   help="--engine NAME: issue the requests its server never makes too")
+    p.add_argument("--restore", choices=RESTORES, default=None,
+                   help="--engine NAME: rebuild each state by replaying its path after "
+                        "reset() (the default, where the adapter has reset) or on a fresh "
+                        "adapter")
     p.add_argument("--reproducer", type=Path, default=None, metavar="FILE",
                    help="write the reproducer of a finding here")
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
@@ -110,12 +131,30 @@ def _depths(figures: Figures) -> str:
     return "states per depth: " + " ".join(map(str, figures.per_depth))
 
 
+def _engines(args: argparse.Namespace, chosen: list[Scope]) -> list[Engine]:
+    """The engine opened for each scope (usage errors raised before any search)."""
+    if args.engine == OURS:
+        if args.beyond_server or args.restore is not None:
+            raise BadCommandLine(f"hiradix explore: --beyond-server and --restore need "
+                                 f"--engine NAME (not {OURS})")
+        return []
+    opened: list[Engine] = []
+    try:
+        for scope in chosen:
+            opened.append(open_engine(args.engine, scope, args.beyond_server))
+            if args.restore != "fresh" and "reset" not in opened[-1].kept.operations:
+                raise BadCommandLine(f"hiradix explore: --engine {args.engine} has no "
+                                     "reset: use --restore fresh")
+    except BaseException:
+        for engine in opened:
+            engine.close()
+        raise
+    return opened
+
+
 def explore_main(argv: Sequence[str]) -> int:
     try:
         args = parser().parse_args(list(argv))
-        if args.engine != "ours":
-            raise BadCommandLine(f"hiradix explore: --engine {args.engine}: only 'ours' is "
-                                 "explored so far (engine adapters: open, issue 32)")
         if args.reproducer is not None and not args.reproducer.parent.is_dir():
             raise BadCommandLine(f"hiradix explore: --reproducer {args.reproducer}: "
                                  "its folder does not exist")
@@ -124,13 +163,32 @@ def explore_main(argv: Sequence[str]) -> int:
                 raise BadCommandLine(f"hiradix explore: --report {args.report}: not a folder")
             pyplot()
         chosen = scopes(args)
-    except (BadCommandLine, ScopeError, ValueError, PlotsUnavailable) as usage:
-        print(usage, file=sys.stderr)
+        engines = [] if args.model_only else _engines(args, chosen)
+    except EngineUnavailable as unavailable:
+        print(f"hiradix explore: --engine {args.engine}: {unavailable}", file=sys.stderr)
         return 2
+    except (BadCommandLine, ScopeError, ValueError, PlotsUnavailable) as usage:
+        message = str(usage)
+        print(message if message.startswith("hiradix") else f"hiradix explore: {message}",
+              file=sys.stderr)
+        return 2
+    try:
+        return _run(args, chosen, engines)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def _run(args: argparse.Namespace, chosen: list[Scope], engines: list[Engine]) -> int:
     total = 0
     drawn: list[tuple[str, Figures]] = []
-    for scope in chosen:
+    for number, asked in enumerate(chosen):
+        engine = engines[number] if engines else None
+        scope = asked if engine is None else engine.scope
         print(f"scope: {scope.describe()}")
+        if scope != asked:
+            print(f"  (the pools {args.engine} builds for device={asked.device_pages}p "
+                  f"host={asked.host_pages}p; the model is explored on them too)")
         model = explore(scope, max_states=args.max_states, seconds=args.seconds)
         print(f"  model:          {model.figures.summary(model.finding is not None)}")
         print(f"  {_depths(model.figures)}")
@@ -142,6 +200,11 @@ def explore_main(argv: Sequence[str]) -> int:
             return _found(model.finding.reproducer(scope), args.reproducer)
         if args.model_only:
             continue
+        if engine is not None:
+            found = _refine_engine(args, engine)
+            if found is not None:
+                return found
+            continue
         impl = refine(scope, max_states=args.max_states, seconds=args.seconds)
         print(f"  implementation: {impl.figures.summary(impl.mismatch is not None)}  "
               f"requests replayed: {impl.requests}")
@@ -152,6 +215,23 @@ def explore_main(argv: Sequence[str]) -> int:
     if args.report is not None:
         print(f"report: {write_report(args.report, drawn)}")
     return 0
+
+
+def _refine_engine(args: argparse.Namespace, engine: Engine) -> int | None:
+    """The engine's refinement of one scope, printed; the exit status at a finding."""
+    restore: Restore = "fresh" if args.restore == "fresh" else "reset"
+    result: EngineRefinement = refine_engine(engine, restore=restore,
+                                             max_states=args.max_states, seconds=args.seconds)
+    steered = ", ".join(f"{kind} {name}" for name, kind in sorted(engine.steer.items()))
+    print(f"  engine {engine.name} {engine.version}: "
+          f"{result.figures.summary(result.mismatch is not None)}  "
+          f"requests replayed: {result.requests}  restore: {restore}"
+          + ("  (beyond the server's guards)" if engine.beyond_server else ""))
+    print(f"  {result.not_expressible()}" + (f"; steered around: {steered}" if steered else ""))
+    if result.mismatch is None:
+        return None
+    print(f"  FINDING (engine {engine.name}): {result.mismatch.reason}")
+    return _found(result.mismatch.reproducer(engine), args.reproducer)
 
 
 def _found(script: str, path: Path | None) -> int:

@@ -12,7 +12,8 @@ implementation makes one).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 from hiradix.conformance.explore.lockstep import Disagreement, Pair, request
 from hiradix.errors import HiradixError
@@ -30,15 +31,22 @@ class Mismatch:
 
     def reproducer(self, scope: Scope) -> str:
         """A Python script that replays the requests and fails at the last one."""
-        steps = ",\n    ".join(repr(a) for a in self.path)
-        return "\n".join([
-            "from hiradix_model import Key",
-            "from hiradix_model.explore import Action, Scope",
-            "from hiradix_model.ops import Backup, Victim",
-            "from hiradix.conformance.explore import replay",
-            "",
-            f"replay({scope!r}, [\n    {steps},\n])",
-        ])
+        return script("replay", (repr(scope),), self.path)
+
+
+def script(replayer: str, leading: tuple[str, ...], path: tuple[Action, ...],
+           trailing: str = "") -> str:
+    """A Python script calling ``hiradix.conformance.explore.<replayer>`` with the
+    ``leading`` arguments, the requests of ``path`` and then ``trailing`` ones."""
+    steps = ",\n    ".join(repr(a) for a in path)
+    return "\n".join([
+        "from hiradix_model import Key",
+        "from hiradix_model.explore import Action, Scope",
+        "from hiradix_model.ops import Backup, Victim",
+        f"from hiradix.conformance.explore import {replayer}",
+        "",
+        f"{replayer}({', '.join(leading)}, [\n    {steps},\n]{trailing})",
+    ])
 
 
 @dataclass
@@ -47,6 +55,7 @@ class Refinement:
     figures: Figures
     mismatch: Mismatch | None = None
     requests: int = 0  # implementation steps taken, replays included
+    visited: dict[Hashable, int] = field(default_factory=dict)  # canonical form -> index
 
     def close(self, complete: bool) -> Refinement:
         self.figures.close(complete)
@@ -62,7 +71,7 @@ def replay(scope: Scope, path: list[Action] | tuple[Action, ...]) -> Pair:
     return pair
 
 
-def _requests(state: State, scope: Scope) -> list[Action]:
+def requests_of(state: State, scope: Scope) -> list[Action]:
     """The distinct requests of the model's enabled transitions from ``state``."""
     found: dict[Action, None] = {}
     for action in actions(state, scope):
@@ -80,7 +89,7 @@ def refine(scope: Scope, *, max_states: int | None = None,
     checked against the model; stops at the first mismatch (at the least depth)."""
     search = Search(scope)
     figures = search.figures
-    result = Refinement(scope, figures)
+    result = Refinement(scope, figures, visited=search.seen)
     empty = Pair.fresh(scope)
     search.start(empty.model)  # the empty cache: checked by the model's own exploration
     frontier: list[tuple[int, State]] = [(0, empty.model)]
@@ -90,7 +99,7 @@ def refine(scope: Scope, *, max_states: int | None = None,
             if figures.spent(seconds, max_states):
                 return result.close(False)
             path = search.graph.path(index)
-            for asked in _requests(source, scope):
+            for asked in requests_of(source, scope):
                 # A cache cannot be copied (a deep copy breaks its slot allocator's
                 # bookkeeping), so each request starts from a replay of the path.
                 pair = replay(scope, path)

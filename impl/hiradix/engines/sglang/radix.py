@@ -425,6 +425,10 @@ class SglangAdapter:
         self.avoid: Mapping[str, str] = {}
         self.inexpressible: Mapping[str, str] = {
             "counted_from_inside": "DEV-25: insert takes only chunked (all pages or none)",
+            "insert_cache_slot_after_caller_slot": "no scheduler passes one of the cache's "
+                                                   "own slots after a slot of its own "
+                                                   "(DEV-24); SGLang frees every slot past "
+                                                   "prev_prefix_len, the cache's included",
         }
         # Backups issued by one insert form one spec run (DEV-7); loads remember their pages.
         self.runs: list[_Run] = []

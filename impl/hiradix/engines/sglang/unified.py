@@ -323,6 +323,7 @@ class SglangUnifiedAdapter(SglangAdapter):
         self.adopted: Mapping[str, str] = {
             "last_tick": "DEV-1 (a split stamps the unmatched suffix), DEV-21 (stamps from "
                          "a global counter, offset per level)",
+            "hits": "DEV-33 (an insert re-adopting a host-only node counts a hit there)",
         }
         if scenario.write_policy == "write_back":
             self.adopted = {**self.adopted,
@@ -343,6 +344,9 @@ class SglangUnifiedAdapter(SglangAdapter):
             "prev_prefix_len": "DEV-24: insert passes the caller's matched device prefix; the "
                                "tree frees the duplicate slots past it, so the caller's "
                                "free of those slots is already done",
+            "insert prefix": "DEV-H4 (spec/13 13.7): SGLang's prefix_len counts the tokens "
+                             "of host-only nodes the insert re-adopts; the spec's prefix "
+                             "is the part cached on the device before the call",
             "chunked": "DEV-25: inserted_len = counted_from (chunked: the page-aligned "
                        "length); SGLang counts per node, so counted_from inside the key "
                        "only where a node ends there (0.5.20 takes chunked only)",
@@ -361,8 +365,13 @@ class SglangUnifiedAdapter(SglangAdapter):
                 f"DEV-31: {SKIP_RECLAIM}=1 around the calls that may evict on host, as a "
                 "server may set it: its host eviction then takes host-only pages only")}
         self.inexpressible: Mapping[str, str] = {
-            "counted_from_inside": "DEV-25: 0.5.20's insert takes only chunked",
-        } if self.v20 else {}
+            **({"counted_from_inside": "DEV-25: 0.5.20's insert takes only chunked"}
+               if self.v20 else {}),
+            "insert_cache_slot_after_caller_slot": "no scheduler passes one of the cache's "
+                                                   "own slots after a slot of its own "
+                                                   "(DEV-24); SGLang frees every slot past "
+                                                   "prev_prefix_len, the cache's included",
+        }
         self.runs: list[_Run] = []
         self.loads: dict[int, tuple[int, tuple[Key, ...]]] = {}  # ack -> (seq, pages)
         self.issued = 0
@@ -494,7 +503,10 @@ class SglangUnifiedAdapter(SglangAdapter):
                   if pending.get(i) is not entry]
         if issued:
             self._record_run(issued, [self.tree.node_by_id(i) for i in issued])
-        return int(result.prefix_len)
+        # DEV-H4: host-only nodes the walk re-adopted (``_unevict_node_on_insert``, the
+        # caller's slots now theirs) count in SGLang's prefix_len; they were not cached
+        # on the device, and a host-only node has no device node below it.
+        return min(int(result.prefix_len), len(cached))
 
     @contextmanager
     def _reclaim_switch(self) -> Iterator[None]:
