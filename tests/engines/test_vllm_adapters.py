@@ -18,7 +18,9 @@ from hiradix.conformance.tally import Tally
 from hiradix.engines import probe, scenario_space
 from hiradix.engines.vllm.cache import VllmDevice
 from hiradix.engines.vllm.machine import make_machine
+from hiradix.engines.vllm.offload import VllmOffload
 from hiradix_model import Key, initial, trace
+from hiradix_model.keys import content_at
 
 
 @pytest.fixture(autouse=True)
@@ -164,13 +166,23 @@ BIG_HOST = [Scenario(page_size=2, device_pages=6), Scenario(page_size=4, device_
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 @pytest.mark.parametrize("scenario", BIG_HOST, ids=lambda s: f"p{s.page_size}d{s.device_pages}")
-def test_vllm_offload_refines_the_model(scenario: Scenario, policy: str) -> None:
+def test_vllm_offload_refines_the_model(scenario: Scenario, policy: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Stores, their acknowledgement, device eviction to host and loads back, under both
-    host policies. The machine's host never fills: host eviction is DEV-V7, DEV-V8."""
+    host policies, and reuses of blocks whose store is in flight (the flush, DEV-V9).
+    The machine's host never fills: host eviction is DEV-V7, DEV-V8."""
+    flushes: list[int] = []
+    take = VllmOffload.take_flushes
+
+    def counted(engine: VllmOffload) -> int:
+        flushes.append(take(engine))
+        return flushes[-1]
+    monkeypatch.setattr(VllmOffload, "take_flushes", counted)
     tally = Tally()
     run_state_machine_as_test(make_machine("vllm-offload", scenario, tally, policy),
                               settings=bounded())
-    assert tally.ops["writing_check"], dict(tally.ops)
+    assert tally.ops["writing_check"] > sum(map(bool, flushes)) > 0, (dict(tally.ops),
+                                                                       flushes)
 
 
 def offload_run() -> Machine:
@@ -195,17 +207,96 @@ def test_a_host_hit_is_loaded_back() -> None:
     assert machine.model.pages[Key((1, 2, 1, 1))].device is not None
 
 
-def test_the_store_pin_mapping_can_fail() -> None:
-    """A finished request's blocks stay referenced while its store is in flight (the
-    copy's pin, R3): freeing them at once leaves the model's pin without a reference."""
+def reuse_run() -> Machine:
+    """One request stored to host and freed at once with its store still in flight
+    (three blocks: two pinned pages and a tail); the store is not acknowledged."""
+    machine = make_machine("vllm-offload", Scenario(page_size=2, device_pages=3,
+                                                    host_pages=8))()
+    machine.request(tokens=(1, 2, 1, 1, 3), namespace=None, dt=1, keep=False)
+    machine.engine_refines_the_model()
+    engine = machine.engine
+    assert machine.model.pending and engine.stores, "the store is in flight"  # type: ignore[attr-defined]
+    assert not engine.running, "and the request's blocks are freed (DEV-V9)"  # type: ignore[attr-defined]
+    assert machine.model.pages[Key((1, 2, 1, 1))].lock == 1, "the copy's pin alone"
+    return machine
+
+
+REUSER = (2, 2, 2, 2, 3)  # three blocks: every block of reuse_run's request
+
+
+def test_a_reused_block_flushes_its_store_first() -> None:
+    """spec/10 DEV-V9: an allocation that takes back the blocks of a store in flight
+    flushes it (writing_check before the eviction); the host keeps the old bytes."""
+    machine = reuse_run()
+    machine.request(tokens=REUSER, namespace=None, dt=1, keep=False)
+    machine.engine_refines_the_model()
+    assert machine.counts.ops["writing_check"] == 1 and machine.counts.ops["evict"] == 1
+    for page in (Key((1, 2)), Key((1, 2, 1, 1))):
+        record = machine.model.pages[page]
+        assert record.device is None and record.host is not None, "evicted to host"
+        assert [machine.model.host_kv[s] for s in record.host] == [
+            content_at(Key((1, 2, 1, 1, 3)), i) for i in range(len(page.tokens) - 2,
+                                                                len(page.tokens))]
+    engine = machine.engine
+    assert engine.host._num_write_pending_chunks == 2, "REUSER's own store"  # type: ignore[attr-defined]
+    assert trace.replay([trace.header(machine.engine.config, "vllm-offload"),
+                         *(s.to_json() for s in machine.trace)])[1] is None
+
+
+def test_a_store_copied_after_the_reuse_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted bug in a private copy of the flush: the worker copies the flushed store
+    only after the forward pass wrote the reused blocks, so the host copy holds the new
+    request's KV."""
+    machine = reuse_run()
+    engine = machine.engine
+    flush, store = engine.before_forward, engine.store  # type: ignore[attr-defined]
+    late: list[list[int]] = []
+
+    def store_late(request: object, key: Key) -> object:
+        for block_ids in late:  # after schedule's forward pass
+            flush(block_ids)
+        late.clear()
+        return store(request, key)
+    monkeypatch.setattr(engine, "before_forward", late.append)
+    monkeypatch.setattr(engine, "store", store_late)
+    machine.request(tokens=REUSER, namespace=None, dt=1, keep=False)
+    with pytest.raises(AssertionError, match=r"disagree|INV-KV-INTEGRITY"):
+        machine.engine_refines_the_model()
+
+
+def test_a_reuse_without_the_flush_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted bug: the connector misses the reuse (no fence on a finished request's
+    blocks), so vLLM evicts pages whose copy is still in flight; the model's pin (R3)
+    makes those victims illegal."""
+    from hiradix_model.errors import IllegalChoice
+
+    machine = reuse_run()
+    monkeypatch.setattr(machine.engine, "before_forward", lambda block_ids: None)
+    with pytest.raises(IllegalChoice, match="not an evictable leaf"):
+        machine.request(tokens=REUSER, namespace=None, dt=1, keep=False)
+
+
+def test_a_delayed_free_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy's pin is counted on top of ref_cnt (DEV-V9): a connector that delays the
+    free while the store is in flight (the order this adapter used to drive) keeps a
+    reference and the tail, which the model does not have."""
     machine = make_machine("vllm-offload", Scenario(page_size=2, host_pages=8))()
+    monkeypatch.setattr(machine.engine.manager, "free", lambda request: None)
     machine.request(tokens=(1, 2, 3), namespace=None, dt=1, keep=False)
     assert machine.model.pending, "the store is in flight"
+    with pytest.raises(AssertionError, match="disagree"):
+        machine.engine_refines_the_model()
 
-    def free_now(engine: VllmDevice) -> None:
-        for request_id in sorted(engine.delayed):
-            engine.manager.free(engine.running[request_id].request)
-    _fails(machine, free_now, "disagree")
+
+def test_the_write_pending_count_can_fail() -> None:
+    """Stores in flight <-> vLLM's write-pending chunks: a store the manager completes
+    behind the worker's back (no copy) shows in INV-ACCOUNTING."""
+    machine = reuse_run()
+
+    def complete_early(engine: VllmDevice) -> None:
+        store = engine.stores[0]  # type: ignore[attr-defined]
+        engine.host.complete_store(list(store.keys), engine.contexts[store.request_id])  # type: ignore[attr-defined]
+    _fails(machine, complete_early, "INV-ACCOUNTING")
 
 
 def test_the_host_pool_mapping_can_fail() -> None:
@@ -236,6 +327,9 @@ def test_dev_v7_host_eviction_takes_the_copy_of_a_page_on_device() -> None:
     assert machine.model.pages[Key((1, 2, 1, 1))].device is not None
 
 
+LONG = (1, 2, 1, 1, 1, 1, 1, 1, 1, 1)  # five pages and a tail: six blocks
+
+
 def test_dev_v8_a_store_without_room_for_all_of_it_evicts_nothing() -> None:
     """spec/10 DEV-V8 on the host, reproduced: when its evictable chunks cannot cover the
     whole offer, ``prepare_store`` stores nothing and evicts nothing; the spec makes host
@@ -246,14 +340,37 @@ def test_dev_v8_a_store_without_room_for_all_of_it_evicts_nothing() -> None:
     machine = make_machine("vllm-offload", Scenario(page_size=2, device_pages=6,
                                                     host_pages=4), host_eviction=True)()
     machine.request(tokens=(1, 1), namespace=None, dt=0, keep=False)
-    machine.request(tokens=(1, 2, 1, 1, 1, 1, 1, 1, 1, 1), namespace=None, dt=0, keep=False)
-    machine.writing_check()  # (1, 1) stored; the long request found no device room
+    machine.writing_check()  # (1, 1) stored and acknowledged
     machine.engine_refines_the_model()
-    # Now it does: it evicts (1, 1) to host, then offers five pages to a host with three
-    # free chunks and one evictable (the host copy of (1, 1), host-only by then).
+    # The long request takes every block: it evicts (1, 1) to host, then offers five
+    # pages to a host with three free chunks and one evictable (the host copy of (1, 1),
+    # host-only by then).
     with pytest.raises(IllegalChoice, match="stopped at 0 of 4 tokens"):
-        machine.request_again(dt=0, index=1)
+        machine.request(tokens=LONG, namespace=None, dt=0, keep=False)
     engine = machine.engine
     chunk = engine.host._policy.get(engine.offload_key(Key((1, 1))))  # type: ignore[attr-defined]
     assert chunk is not None and chunk.is_ready, "vLLM evicted nothing"
     assert not engine.stores, "and stored nothing"  # type: ignore[attr-defined]
+
+
+def test_dev_v9_a_flushed_chunk_makes_no_host_room_in_its_step() -> None:
+    """spec/10 DEV-V9, reproduced: a store flushed by a reuse is completed only at the
+    step's end (update_connector_output), so the same step's prepare_store cannot evict
+    its chunk (write-pending, not ready). The model acknowledges the copy before the
+    eviction it allows, so the page is a host-only leaf there, and host room must come
+    from it (R2): the model rejects vLLM's empty report. If this fails, vLLM now
+    completes a flushed store before the step's stores: update DEV-V9."""
+    from hiradix_model.errors import IllegalChoice
+
+    machine = make_machine("vllm-offload", Scenario(page_size=2, device_pages=6,
+                                                    host_pages=4), host_eviction=True)()
+    machine.request(tokens=(1, 1), namespace=None, dt=0, keep=False)
+    machine.engine_refines_the_model()
+    assert machine.model.pending, "(1, 1)'s store is in flight, its block free"
+    with pytest.raises(IllegalChoice, match="stopped at 0 of 4 tokens"):
+        machine.request(tokens=LONG, namespace=None, dt=0, keep=False)
+    assert machine.counts.ops["writing_check"] == 1, "the flush was taken"
+    engine = machine.engine
+    chunk = engine.host._policy.get(engine.offload_key(Key((1, 1))))  # type: ignore[attr-defined]
+    assert chunk is not None and chunk.is_ready, "completed at the step's end"
+    assert not engine.stores and not engine.flushed, "nothing stored"  # type: ignore[attr-defined]

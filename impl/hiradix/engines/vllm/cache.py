@@ -210,6 +210,8 @@ class VllmDevice:
         new = self.manager.allocate_slots(request, len(key.tokens) - start, hit_tokens, hit)
         if new is None:
             return None
+        self.before_forward([b.block_id for b in
+                             self.manager.get_blocks(request.request_id).blocks[0]])
         ids = [b.block_id for b in new.blocks[0]]
         slots = tuple(s for b in ids for s in self.slots(b))
         for offset, slot in enumerate(slots):  # the forward pass
@@ -252,8 +254,15 @@ class VllmDevice:
             if block.ref_cnt == 0:
                 self.stamp[block.block_id] = self.now
 
-    # No host tier: no host hit, nothing stored, no free is ever delayed.
-    delayed: frozenset[str] = frozenset()
+    # No host tier: no host hit, nothing stored, nothing flushed.
+
+    def before_forward(self, block_ids: Sequence[int]) -> None:
+        """The request's block table after ``allocate_slots``, before the forward pass
+        writes it: a connector's hook (``vllm-offload`` flushes stores, DEV-V9)."""
+
+    def take_flushes(self) -> int:
+        """Stores a connector's flush completed since the last call (DEV-V9)."""
+        return 0
 
     def host_hit(self, request: Any, key: Key, device_pages: int) -> int:
         return 0
@@ -324,13 +333,19 @@ class VllmDevice:
 
     def counter_problems(self, seen: State) -> list[str]:
         """INV-ACCOUNTING on vLLM's one counter: its free-block count must be the free
-        blocks plus the evictable pages, and every queued block must be unreferenced."""
+        blocks plus the unreferenced pages (evictable, or pinned only by a store in
+        flight), and every queued block must be unreferenced."""
         problems = []
         queued = self.free_blocks()
-        counted = (len(seen.device_free) + seen.evictable_tokens) // self.ps
+        # A page the abstraction locks while vLLM holds no reference (the pin of a store
+        # in flight, DEV-V9) is queued too: an allocation may take it, flushing the store.
+        pinned = sum(p.device is not None and p.lock > 0
+                     and self.pool.blocks[p.device[0] // self.ps + 1].ref_cnt == 0
+                     for p in seen.pages.values())
+        counted = (len(seen.device_free) + seen.evictable_tokens) // self.ps + pinned
         if self.free_counter() != counted or len(queued) != counted:
             problems.append(f"num_free_blocks {self.free_counter()}, queue {len(queued)}, "
-                            f"free + evictable {counted}")
+                            f"free + unreferenced pages {counted}")
         problems += [f"block {b.block_id} is queued with ref_cnt {b.ref_cnt}"
                      for b in queued if b.ref_cnt]
         return problems

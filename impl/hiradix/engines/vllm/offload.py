@@ -4,11 +4,17 @@ host tier (spec/10), driven as vLLM's offloading connector drives them.
 - A request's full blocks are offered to ``prepare_store`` after ``allocate_slots``, as
   the connector does; the keys it takes are the model's backup run (R5), their chunks the
   host slots (spec host slot = P x chunk id + offset), the keys it evicts the host
-  victims (R2). ``complete_store`` is ``writing_check``; the test copies the bytes then.
-- A finished request whose stores are still in flight keeps its blocks until they
-  complete (the connector delays the free): that hold is the copy's pin of R3. While the
-  request still runs, its one reference stands for both its lock and the copy's pin
-  (DEV-V9), so the abstraction counts the pin on top of ``ref_cnt``.
+  victims (R2). ``complete_store`` is ``writing_check``; the test's worker copies the
+  bytes then.
+- A finished request's blocks are freed at once (the connector's ``request_finished``
+  returns False), stores in flight or not. A store takes no reference on its blocks; the
+  abstraction counts the copy's pin of R3 on top of ``ref_cnt``, one lock per store in
+  flight on its path (DEV-V9).
+- An allocation that takes back a block a finished request's store still reads makes the
+  connector flush that store: the worker copies it before the forward pass (or load)
+  writes the block, and the manager hears ``complete_store`` at the end of the step. The
+  model acknowledges copies oldest first, so the flush completes every older store with
+  it; the machine takes that ``writing_check`` before the eviction (DEV-V9).
 - A host hit (the blocks after the device hit that ``lookup`` finds ready) is loaded as
   the connector does: ``allocate_slots`` with external tokens and delayed caching, then
   ``prepare_load``, the copy, ``complete_load`` and ``cache_blocks``, all before the next
@@ -19,6 +25,7 @@ host tier (spec/10), driven as vLLM's offloading connector drives them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -59,16 +66,19 @@ class VllmOffload(VllmDevice):
         self.config = replace(self.config, host_slots=scenario.host_pages * self.ps)
         self.host_kv: dict[int, Key] = {}
         self.page_ticks: dict[Key, tuple[int, int]] = {}  # DEV-V2, kept for host-only pages
-        self.stores: list[Store] = []
+        self.stores: list[Store] = []  # in flight, oldest first
+        self.flushed: list[Store] = []  # copied by a flush; complete_store at the step's end
+        self.flushes = 0  # stores completed by flushes since the machine last asked
         self.contexts: dict[str, Any] = {}
-        self.delayed: set[str] = set()  # finished, blocks kept until their stores land
         self.mapped = {**self.mapped,
                        "prepare_store": "the request's full blocks offered after "
                                         "allocate_slots; the keys taken are the backup run",
-                       "complete_store": "writing_check; a finished request's blocks are "
-                                         "freed then (the connector delays the free)",
-                       "lock": "ref_cnt, plus one pin per store in flight of a request still "
-                               "running (DEV-V9)",
+                       "complete_store": "writing_check; or, when an allocation takes back "
+                                         "a block a finished request's store reads, the "
+                                         "connector's flush: writing_check of it and every "
+                                         "older store, before the eviction (DEV-V9)",
+                       "lock": "ref_cnt, plus one pin per store in flight on the page's "
+                               "path, the request finished or not (DEV-V9)",
                        "load": "allocate_slots(external tokens, delay_cache_blocks), "
                                "prepare_load, complete_load, cache_blocks = init_load_back "
                                "then loading_check"}
@@ -137,6 +147,7 @@ class VllmOffload(VllmDevice):
         # not the returned new blocks.
         table = self.manager.get_blocks(request.request_id).blocks[0]
         first = hit_tokens // self.ps
+        self.before_forward([b.block_id for b in table])  # then the worker's load
         slots = tuple(s for b in table[first:first + pages] for s in self.slots(b.block_id))
         chunk_slots = [s for c in spec.block_ids.tolist() for s in self.host_slots(c)]
         for device, host in zip(slots, chunk_slots, strict=True):  # the worker's copy
@@ -151,7 +162,13 @@ class VllmOffload(VllmDevice):
         return slots
 
     def store(self, request: Any, key: Key) -> tuple[Key, ...]:
-        """Offer the request's full pages to ``prepare_store``; the pages it took."""
+        """Offer the request's full pages to ``prepare_store``; the pages it took. The
+        step ends here: the stores a flush copied are completed (``end_step``)."""
+        taken = self._offer(request, key)
+        self.end_step()
+        return taken
+
+    def _offer(self, request: Any, key: Key) -> tuple[Key, ...]:
         context = self.context(request, key)
         pages = [Key(key.tokens[:(i + 1) * self.ps], key.namespace)
                  for i in range(len(key.tokens) // self.ps)]
@@ -171,37 +188,73 @@ class VllmOffload(VllmDevice):
                                  host, device))
         return taken
 
-    def writing_check(self) -> tuple[int, list[Any]]:
-        """``complete_store`` for every store in flight (the test's copies are done), then
-        the frees the connector delayed: (stores completed, requests freed)."""
+    def before_forward(self, block_ids: Sequence[int]) -> None:
+        """The connector's flush (DEV-V9). ``update_state_after_alloc`` records the
+        request's whole block table, hit blocks included; a store of a finished request
+        that reads one of those blocks is flushed: the worker copies it before the load
+        or the forward pass writes anything. vLLM fences only finished requests' stores
+        (a running request's blocks keep their ``ref_cnt``); the model acknowledges
+        oldest first, so every older store is copied with it."""
+        reused = {s for b in block_ids for s in self.slots(b)}
+        fenced = [i for i, store in enumerate(self.stores)
+                  if store.request_id not in self.running and reused & set(store.device)]
+        if not fenced:
+            return
+        done, self.stores = self.stores[:fenced[-1] + 1], self.stores[fenced[-1] + 1:]
+        for store in done:
+            self.copy(store)
+        self.flushed += done
+        self.flushes += len(done)
+
+    def take_flushes(self) -> int:
+        """Stores completed by flushes since the last call: the machine's writing_check."""
+        count, self.flushes = self.flushes, 0
+        return count
+
+    def end_step(self) -> None:
+        """``update_connector_output`` at the step's end: ``complete_store`` of the stores
+        the step's flushes copied."""
+        for store in self.flushed:
+            self.host.complete_store(list(store.keys), self.contexts[store.request_id])
+        self.flushed.clear()
+
+    def copy(self, store: Store) -> None:
+        """The worker's copy of one store: the device blocks' bytes into its chunks."""
+        for device, host in zip(store.device, store.host, strict=True):
+            if device in self.kv:
+                self.host_kv[host] = self.kv[device]
+            else:
+                self.host_kv.pop(host, None)
+
+    def writing_check(self) -> int:
+        """``complete_store`` for every store in flight (the worker's copies are done):
+        the number completed."""
         done = len(self.stores)
         for store in self.stores:
-            for device, host in zip(store.device, store.host, strict=True):
-                if device in self.kv:
-                    self.host_kv[host] = self.kv[device]
-                else:
-                    self.host_kv.pop(host, None)
+            self.copy(store)
             self.host.complete_store(list(store.keys), self.contexts[store.request_id])
         self.stores.clear()
-        freed = [super(VllmOffload, self).finish(request_id)
-                 for request_id in sorted(self.delayed, key=int)]
-        self.delayed.clear()
-        return done, freed
+        return done
+
+    def abandon(self, request: Any) -> None:
+        """The loaded request found no room: its blocks go back, and the step ends."""
+        super().abandon(request)
+        self.end_step()
 
     def finish(self, request_id: str) -> Any:
-        """``free``, unless a store of the request is in flight (then at writing_check)."""
+        """``free`` at once, stores in flight or not (``request_finished`` returns False)."""
         context = self.contexts.get(request_id)
         if context is not None:
             self.host.on_request_finished(context)
-        if any(s.request_id == request_id for s in self.stores):
-            self.delayed.add(request_id)
-            return self.running[request_id]
         return super().finish(request_id)
 
     def reset(self) -> bool:
+        """``reset_prefix_cache``, then the connector's ``reset_cache``: the stores in
+        flight are forgotten (their late copies land in chunks the reset freed)."""
         if self.running:
             return bool(self.manager.reset_prefix_cache())  # refused: blocks are held
         self.host.reset_cache()
+        self.stores.clear()
         self.host_kv.clear()
         self.contexts.clear()
         self.page_ticks.clear()
@@ -231,10 +284,9 @@ class VllmOffload(VllmDevice):
         for store in self.stores:
             pending.append(Transfer("d2h", store.pages, store.device, store.host,
                                     store.pages[-1]))
-            if store.request_id not in self.delayed:  # DEV-V9: the pin on top of ref_cnt
-                for page, record in pages.items():
-                    if _on_path(page, store.pages[-1]):
-                        pages[page] = replace(record, lock=record.lock + 1)
+            for page, record in pages.items():  # DEV-V9: the copy's pin on top of ref_cnt
+                if _on_path(page, store.pages[-1]):
+                    pages[page] = replace(record, lock=record.lock + 1)
         free_chunks = set(self.host._free_list) | set(
             range(self.host._num_allocated_chunks, self.host_pages))
         host_free = frozenset(s for c in free_chunks for s in self.host_slots(c))
@@ -252,4 +304,10 @@ class VllmOffload(VllmDevice):
         free = self.host._get_num_free_chunks()
         if free * self.ps != len(seen.host_free):
             problems.append(f"free chunks {free}, free host slots {len(seen.host_free)}")
+        # vLLM's own count of chunks awaiting complete_store against the stores the
+        # adapter holds in flight (and flushed, awaiting the step's end).
+        writing = sum(len(s.keys) for s in (*self.stores, *self.flushed))
+        if self.host._num_write_pending_chunks != writing:
+            problems.append(f"write-pending chunks {self.host._num_write_pending_chunks}, "
+                            f"stores in flight {writing}")
         return problems
