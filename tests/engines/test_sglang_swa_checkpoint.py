@@ -24,7 +24,7 @@ import pytest
 
 from hiradix.conformance.hybrid.abstraction import Codes, abstract, mapping_problems
 from hiradix.conformance.hybrid.machine import state_problems
-from hiradix.engines.sglang.swa import SglangSwaAdapter
+from hiradix.engines.sglang.swa import SglangRequest, SglangSwaAdapter
 from hiradix_model import Key
 from hiradix_model import hybrid as model
 from hiradix_model.errors import IllegalChoice, PreconditionError
@@ -45,38 +45,13 @@ def sglang_installed() -> str:
 
 
 @dataclass
-class FakeReq:
-    """A stand-in for SGLang's Req with the fields ``checkpoint_into_tree``,
-    ``free_swa_out_of_window_slots`` and ``release_kv_cache`` read; ``kv`` is a real
-    ``ReqKvInfo`` (its cursors and lengths are SGLang's own logic)."""
+class FakeReq(SglangRequest):
+    """The adapter's stand-in for SGLang's Req, with the harness's own bookkeeping,
+    which SGLang never reads."""
 
-    rid: str
-    origin_input_ids: array[int]
-    kv: Any
-    full_untruncated_fill_ids: array[int]
-    extend_end: int = 0
-    done: bool = False
-    priority: int = 0
-    session_id: None = None
-    session: None = None
-    kv_rotation_base: None = None
-    extra_key: None = None
-    cache_salt: None = None
-    lock: Any = None
-    last_node: Any = None
-    swa_branching_seqlen: int | None = None
-    finished_reason: None = None
-    # The harness's own bookkeeping, which SGLang never reads.
-    tokens: tuple[int, ...] = ()
     prompt_len: int = 0
     page: Key | None = None  # the model page its lock is on
     allocated: int = 0  # row positions with slots
-
-    def finished(self) -> bool:
-        return self.done
-
-    def get_fill_ids(self) -> array[int]:
-        return self.full_untruncated_fill_ids[: self.extend_end]
 
 
 class Divergence(AssertionError):

@@ -12,13 +12,26 @@ After every call the engine's view is abstracted (``abstraction``) and compared 
 model's state; every model invariant, the engine's mapping and the engine's own check
 are checked there too, and every match against INV-SWA-MATCH-LIVE. Victims of an
 eviction are inferred from the pages that went (deleted or tombstoned), deepest first.
+
+An engine that also takes requests the way its server's scheduler hands them over
+(``ScheduledSwaEngine``: SGLang's ``checkpoint`` per prefill chunk, ``evict_sliding_windows``
+per decode step, ``release_kv_cache`` with or without a last checkpoint) gets a second set
+of rules beside those (``Scheduled``): requests admitted, prefilled chunk by chunk,
+decoded, finished, aborted or retracted, interleaved with each other and with the
+evictions. Each call is replayed on the model as the spec operations it stands for
+(spec/13 13.4), read off what the call did: the SWA halves it freed (``free_swa``), its
+insert (``insert`` with the ``swa_evicted`` the engine passed), the duplicates the engine
+freed itself (``free``, DEV-24) and the lock it moved (``dec_lock_ref`` /
+``inc_lock_ref``); the request's row past the insert must then be the tree's path to its
+new lock.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
@@ -28,6 +41,7 @@ from hiradix.conformance.hybrid.engine import SwaEngine
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
 from hiradix_model import hybrid as model
+from hiradix_model.errors import PreconditionError
 from hiradix_model.hybrid import SwaConfig, SwaState
 from hiradix_model.keys import content_at
 
@@ -42,6 +56,111 @@ class Running:
     page: Key | None
     receipt: object
     swa_released: bool = False
+
+
+class RequestRows(Protocol):
+    """What an engine taking requests as its scheduler hands them over offers for any
+    components: requests bound to rows of slots, and where their locks are. Requests are
+    the engine's own handles; slots are numbered as the engine's protocol numbers them."""
+
+    def new_request(self, tokens: Sequence[int], prompt_len: int) -> Any:
+        """A request with prompt ``tokens[:prompt_len]`` that will compute ``tokens``."""
+
+    def write_row(self, req: Any, start: int, full_slots: Sequence[int]) -> None:
+        """Put freshly allocated full slots into the request's row from ``start`` on."""
+
+    def advance(self, req: Any, end: int) -> None:
+        """The forward pass computed the request up to ``end``."""
+
+    def row(self, req: Any, end: int) -> tuple[int, ...]:
+        """The request's row up to ``end``."""
+
+    def protected_len(self, req: Any) -> int:
+        """The row prefix the tree owns (what the request's lock protects)."""
+
+    def locked_page(self, req: Any) -> Key | None:
+        """The page the request's lock is on (None: the root)."""
+
+    def locked_path(self, req: Any) -> tuple[int, ...]:
+        """The tree's full slots from the root to the request's lock."""
+
+    def release(self, req: Any, owned: int, checkpoint: bool) -> Sequence[object]:
+        """Finish (``checkpoint``: a last publish) or drop (abort, retraction) a request:
+        its row past the protected prefix freed, its lock released; the inserts made."""
+
+
+@runtime_checkable
+class ScheduledSwaEngine(RequestRows, Protocol):
+    """What an ``SwaEngine`` whose server publishes requests itself also takes."""
+
+    def admit(self, req: Any, prompt: Key) -> tuple[int, ...]:
+        """Match the prompt, lock where the match ended, bind a row; the matched full
+        slots."""
+
+    def checkpoint(self, req: Any, up_to: int) -> list[tuple[int, int]]:
+        """Publish ``[protected, up_to)`` of an unfinished request; each insert made, as
+        (key length, swa_evicted)."""
+
+    def slide_window(self, req: Any, pre_len: int) -> None:
+        """A decode step's free of the SWA halves that left the request's window."""
+
+    def release(self, req: Any, owned: int, checkpoint: bool) -> list[tuple[int, int]]:
+        """Finish (``checkpoint``: a last publish) or drop (abort, retraction) a request:
+        its row past the protected prefix freed, its lock released; the inserts made."""
+
+
+def lock_moved_problems(engine: RequestRows, req: Any, page: Key | None,
+                        length: int) -> list[str]:
+    """After an unfinished request's checkpoint inserted ``length`` tokens: its lock is
+    on ``page``, its protected prefix is ``length`` and its row that far is the tree's
+    path to the lock (``checkpoint_into_tree`` rewrites the row and moves the lock)."""
+    problems = []
+    if engine.locked_page(req) != page:
+        problems.append(f"the engine's lock is on {engine.locked_page(req)}")
+    if engine.protected_len(req) != length:
+        problems.append(f"protected {engine.protected_len(req)}")
+    if engine.row(req, length) != engine.locked_path(req):
+        problems.append(f"row {engine.row(req, length)} is not the tree's path "
+                        f"{engine.locked_path(req)}")
+    return problems
+
+
+def release_unpublished(engine: RequestRows, req: Any, allocated: int, end: int,
+                        held: Container[int]) -> tuple[int, tuple[int, ...]]:
+    """Release a request computed to ``end`` (its row holding ``allocated`` slots)
+    without a checkpoint; its protected prefix and the row slots past it, which must all
+    be the caller's (in ``held``, the model's): the tree owns none of them."""
+    protected = engine.protected_len(req)
+    mine = engine.row(req, allocated)[protected:]
+    stray = [f for f in mine if f not in held]
+    assert not stray, (f"row past protected {protected} holds {stray}, which the model has "
+                       "the tree own")
+    inserts = engine.release(req, end, False)
+    assert not inserts, f"a release without checkpoint inserted {inserts}"
+    return protected, mine
+
+
+def pick(data: st.DataObject, requests: Sequence[Any], ready: Callable[[Any], bool]) -> int:
+    """The index of one of ``requests`` that is ``ready``, drawn."""
+    return data.draw(st.sampled_from([i for i, s in enumerate(requests) if ready(s)]))
+
+
+@dataclass
+class Scheduled:
+    """A request the machine drives through a ``ScheduledSwaEngine``: ``end`` tokens
+    computed, ``allocated`` row positions with pairs, its lock on ``page`` (the model's)."""
+
+    req: Any
+    tokens: tuple[int, ...]
+    prompt_len: int
+    page: Key | None
+    allocated: int
+    end: int
+
+
+MAX_SCHEDULED = 4  # requests live at once (an engine's request rows bound it)
+MAX_REQUEST = 18  # tokens a request computes at most (an engine's rows hold this many)
+decode_tail = st.lists(st.integers(1, 3), max_size=MAX_REQUEST).map(tuple)
 
 
 def state_problems(engine_state: SwaState, expected: SwaState, node_locks: bool) -> list[str]:
@@ -82,6 +201,9 @@ def make_swa_machine(build: Build, config: SwaConfig,
     """A machine class driving a fresh ``build(config)`` per example; ``reached`` counts
     what the examples exercised (healing, tombstones, SWA evictions, ...)."""
     seen = reached if reached is not None else Counter()
+    # A scheduled request fits in half the full pool, so that two run side by side and
+    # most run to their end (a pool of ten pages or fewer tokens in these campaigns).
+    longest = min(MAX_REQUEST, config.full_slots // 2)
 
     class SwaMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -91,6 +213,9 @@ def make_swa_machine(build: Build, config: SwaConfig,
             self.codes = Codes()
             self.running: list[Running] = []
             self.node_locks = self.engine.lock_granularity == "node"
+            self.scheduler = (self.engine if isinstance(self.engine, ScheduledSwaEngine)
+                              else None)
+            self.scheduled: list[Scheduled] = []
             seen["examples"] += 1
             self.check("the initial state")
 
@@ -110,6 +235,11 @@ def make_swa_machine(build: Build, config: SwaConfig,
 
         def match(self, key: Key) -> model.SwaMatch:
             slots, page = self.engine.match_prefix(key)
+            return self.judge_match(key, slots, page)
+
+        def judge_match(self, key: Key, slots: tuple[int, ...],
+                        page: Key | None) -> model.SwaMatch:
+            """The model's match of ``key``, asserted equal to the engine's."""
             want = model.match_prefix(self.model, key)
             problems = list(model.match_problems(self.model, key, page))
             if (tuple(slots), page) != (want.full_slots, want.last_page):
@@ -266,6 +396,201 @@ def make_swa_machine(build: Build, config: SwaConfig,
             self.model = model.dec_lock_ref(self.model, request.page, request.swa_released)
             seen["finish"] += 1
             self.check(f"unlock({request.page}, swa_released={request.swa_released})")
+
+        # -- requests as the scheduler hands them over (ScheduledSwaEngine) -------------
+        def can_admit(self) -> bool:
+            return self.scheduler is not None and len(self.scheduled) < MAX_SCHEDULED
+
+        @precondition(lambda self: self.can_admit())
+        @rule(prompt=st.lists(st.integers(1, 3), min_size=1, max_size=longest).map(tuple),
+              tail=decode_tail)
+        def admit_request(self, prompt: tuple[int, ...], tail: tuple[int, ...]) -> None:
+            self.admit(prompt, tail)
+
+        @precondition(lambda self: self.can_admit() and bool(self.scheduled))
+        @rule(data=st.data(), tail=decode_tail)
+        def admit_sharing(self, data: st.DataObject, tail: tuple[int, ...]) -> None:
+            """A request whose prompt is a prefix of a live request's tokens (a system
+            prompt): its match ends on that request's checkpoints, or short of them."""
+            other = self.scheduled[pick(data, self.scheduled, lambda s: True)]
+            cut = data.draw(st.integers(1, len(other.tokens)))
+            self.admit(other.tokens[:cut], tail)
+
+        def admit(self, prompt: tuple[int, ...], tail: tuple[int, ...]) -> None:
+            """The scheduler's admission (``PrefillAdder``: ``match_kv_cache``, then the
+            request locks the node its device match ended at)."""
+            assert self.scheduler is not None
+            tail = tail[:max(0, longest - len(prompt))]
+            req = self.scheduler.new_request(prompt + tail, len(prompt))
+            slots = self.scheduler.admit(req, Key(prompt))
+            want = self.judge_match(Key(prompt), slots, self.scheduler.locked_page(req))
+            self.model = model.inc_lock_ref(self.model, want.last_page)
+            self.scheduled.append(Scheduled(req, prompt + tail, len(prompt), want.last_page,
+                                            len(slots), len(slots)))
+            seen["admitted"] += 1
+            self.check(f"admit({prompt}) matched {len(slots)}, locked {want.last_page}")
+
+        def grow(self, s: Scheduled, end: int) -> bool:
+            """Pairs for the request's row up to ``end`` (whole pages) and the forward
+            pass that computes it; False if the pools have no room even after evicting."""
+            assert self.scheduler is not None
+            need = -(-(end - s.allocated) // config.page_size) * config.page_size
+            if need > 0:
+                full = self.allocate(need)
+                if full is None:
+                    return False
+                pairs = self.engine.observe().pairs
+                unpaired = [f for f in full if f not in pairs]
+                assert not unpaired, f"alloc({need}) gave full slots {unpaired} no SWA half"
+                key = Key(s.tokens)
+                self.model = model.alloc(self.model, key, s.allocated, full,
+                                         tuple(pairs[f] for f in full))
+                self.engine.write_kv(full, [self.codes.code(content_at(key, s.allocated + i))
+                                            if s.allocated + i < len(s.tokens) else 0
+                                            for i in range(len(full))])
+                self.scheduler.write_row(s.req, s.allocated, full)
+                s.allocated += need
+            self.scheduler.advance(s.req, end)
+            s.end = end
+            self.check(f"alloc to {end} of {s.tokens} and the forward pass")
+            return True
+
+        @precondition(lambda self: any(s.end < s.prompt_len for s in self.scheduled))
+        @rule(data=st.data(), chunk=st.integers(1, 8))
+        def prefill_chunk(self, data: st.DataObject, chunk: int) -> None:
+            """One chunk of a chunked prefill, published by ``checkpoint``
+            (``checkpoint_kv_cache``, common.py:278, after every extend)."""
+            index = pick(data, self.scheduled, lambda s: s.end < s.prompt_len)
+            s = self.scheduled[index]
+            if not self.grow(s, min(s.prompt_len, s.end + chunk)):
+                self.drop(index, "aborted_for_room")
+                return
+            self.publish(s, finish=False)
+
+        @precondition(lambda self: any(s.prompt_len <= s.end < len(s.tokens)
+                                       for s in self.scheduled))
+        @rule(data=st.data(), steps=st.integers(1, 6))
+        def decode(self, data: st.DataObject, steps: int) -> None:
+            """Decode steps (``alloc_for_decode``: ``maybe_evict_swa`` slides the window
+            at ``seqlen - 1``, allocation.py:633, then one pair); a step short of room
+            retracts the request (``retract_decode`` -> ``release_req``,
+            schedule_batch.py:2389), which the scheduler re-admits later."""
+            index = pick(data, self.scheduled, lambda s: s.prompt_len <= s.end < len(s.tokens))
+            s = self.scheduled[index]
+            for step in range(steps):
+                if s.end >= len(s.tokens):
+                    return
+                if step or s.end > s.prompt_len:  # not on the first decode step
+                    self.slide(s, s.end)
+                seen["decode_steps"] += 1
+                if not self.grow(s, s.end + 1):
+                    self.drop(index, "retracted")
+                    self.admit(s.tokens[:s.end], s.tokens[s.end:])
+                    return
+
+        def slide(self, s: Scheduled, pre_len: int) -> None:
+            assert self.scheduler is not None
+            row = self.scheduler.row(s.req, s.allocated)
+            self.scheduler.slide_window(s.req, pre_len)
+            pairs = self.engine.observe().pairs
+            dropped = tuple(f for f in row
+                            if self.model.held.get(f) is not None and f not in pairs)
+            if dropped:
+                self.model = model.free_swa(self.model, dropped)
+                seen["window_slides"] += 1
+            self.check(f"slide_window({pre_len}) of {s.tokens}: dropped {dropped}")
+
+        @precondition(lambda self: any(s.end >= s.prompt_len for s in self.scheduled))
+        @rule(data=st.data())
+        def finish_request(self, data: st.DataObject) -> None:
+            """``release_kv_cache(req, checkpoint=True)``: the final publish."""
+            index = pick(data, self.scheduled, lambda s: s.end >= s.prompt_len)
+            self.publish(self.scheduled.pop(index), finish=True)
+
+        @precondition(lambda self: bool(self.scheduled))
+        @rule(data=st.data(), now=st.integers(0, 2))
+        def abort_request(self, data: st.DataObject, now: int) -> None:
+            """An abort (``scheduler.py:3819``): ``release_kv_cache(req,
+            checkpoint=False)`` whatever the request computed, prefill chunks already
+            published included. One draw in three: requests mostly run their course."""
+            if now:
+                return
+            index = pick(data, self.scheduled, lambda s: True)
+            mid_prefill = self.scheduled[index].end < self.scheduled[index].prompt_len
+            self.drop(index, "aborted_in_prefill" if mid_prefill else "aborted")
+
+        def drop(self, index: int, why: str) -> None:
+            """Release a request without publishing: its row past the protected prefix
+            is freed (every pair of it the caller's), its lock released."""
+            assert self.scheduler is not None
+            s = self.scheduled.pop(index)
+            p0, mine = release_unpublished(self.scheduler, s.req, s.allocated, s.end,
+                                           self.model.held)
+            if mine:
+                self.model = model.free(self.model, mine)
+            self.model = model.dec_lock_ref(self.model, s.page, False)
+            seen[why] += 1
+            self.check(f"release({s.tokens}, checkpoint=False) [{why}] at {s.end}, "
+                       f"protected {p0}")
+
+        def publish(self, s: Scheduled, finish: bool) -> None:
+            """A checkpoint (``finish``: the final one of ``release_kv_cache``), replayed
+            on the model from what the call did (module docstring)."""
+            assert self.scheduler is not None
+            sched = self.scheduler
+            p0 = sched.protected_len(s.req)
+            row = sched.row(s.req, s.allocated)
+            before = self.model
+            inserts = (sched.release(s.req, s.end, True) if finish
+                       else sched.checkpoint(s.req, s.end))
+            assert len(inserts) <= 1, f"one checkpoint made inserts {inserts}"
+            length, cursor = inserts[0] if inserts else (p0, p0)
+            swa_evicted = min(cursor, length)
+            view = self.engine.observe()
+            # The call's out-of-window free ran before its insert: the SWA halves of
+            # [p0, swa_evicted) are gone, which makes those pages tombstones.
+            in_key = tuple(f for f in row[p0:swa_evicted] if self.model.held.get(f) is not None)
+            if in_key:
+                self.model = model.free_swa(self.model, in_key)
+            healed = {k for k, p in before.pages.items()
+                      if not p.live and k in view.pages and view.pages[k].swa is not None}
+            kept = frozenset(k for k in healed if view.pages[k].full == before.pages[k].full)
+            key = Key(s.tokens[:length])
+            if length:
+                self.model, _ = model.insert(self.model, key, row[:length], swa_evicted, kept)
+            seen["healed"] += len(healed)
+            if not finish:
+                seen["chunks"] += 1
+                seen["chunk_tombstones"] += swa_evicted > p0
+            # Duplicates of the tree's own slots: the insert freed them (DEV-24).
+            leftover = tuple(f for f in row[p0:length] if f in self.model.held)
+            if leftover:
+                self.model = model.free(self.model, leftover)
+            # SWA halves past the key that the out-of-window free took.
+            beyond = tuple(f for f in row[length:] if self.model.held.get(f) is not None
+                           and f not in view.pairs and f not in view.full_free)
+            if beyond:
+                self.model = model.free_swa(self.model, beyond)
+            self.model = model.dec_lock_ref(self.model, s.page, False)
+            step = (f"{'release' if finish else 'checkpoint'}({s.tokens[:s.end]}) protected "
+                    f"{p0}, insert {length} swa_evicted {swa_evicted}, healed {len(healed)}")
+            if finish:
+                rest = tuple(f for f in row[length:] if f in self.model.held)
+                if rest:
+                    self.model = model.free(self.model, rest)
+                seen["finished_requests"] += 1
+                self.check(step)
+                return
+            page = key if length else None
+            try:
+                self.model = model.inc_lock_ref(self.model, page)
+            except PreconditionError as refused:
+                raise AssertionError(f"after {step}: the engine locked {page}, which the "
+                                     f"model refuses: {refused}") from None
+            s.page = page
+            problems = lock_moved_problems(sched, s.req, page, length)
+            assert not problems, f"after {step}: " + "; ".join(problems)
+            self.check(step)
 
     SwaMachine.__name__ = f"SwaMachine_{config.page_size}_{config.window}"
     return SwaMachine

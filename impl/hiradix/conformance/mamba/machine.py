@@ -14,6 +14,17 @@ After every call the engine's view is abstracted and compared with the model's s
 every model invariant holds on both, the engine's own check passes, and every match
 satisfies INV-MAMBA-MATCH-STATE. Victims of an eviction are inferred from the pages that
 went (deleted, or left without their state), deepest first.
+
+An engine that also takes requests the way its server's scheduler hands them over
+(``ScheduledMambaEngine``) gets a second set of rules beside those (``Scheduled``):
+requests admitted (their state a copy of the hit's, or fresh), prefilled chunk by chunk,
+each chunk published by ``checkpoint`` -- which offers the tree a fresh copy of the
+request's state -- decoded, finished (the last checkpoint offers the request's own
+state) or aborted and retracted (the request's state freed). Each call is replayed on
+the model as the operations of 13m.3 it stands for, read off what it did: the copy
+(``alloc_state`` holding the state after what the request computed), the insert and
+whether the state was taken (``insert``), the state or copy freed when not
+(``free_state``), the duplicates the engine freed itself (``free``) and the lock moved.
 """
 
 from __future__ import annotations
@@ -21,11 +32,21 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from hiradix.conformance.hybrid.abstraction import Codes
+from hiradix.conformance.hybrid.machine import (
+    MAX_REQUEST,
+    MAX_SCHEDULED,
+    RequestRows,
+    decode_tail,
+    lock_moved_problems,
+    pick,
+    release_unpublished,
+)
 from hiradix.conformance.mamba.abstraction import abstract
 from hiradix.conformance.mamba.engine import MambaEngine
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
@@ -45,6 +66,43 @@ class Running:
     page: Key | None
     receipt: object
     state_released: bool = False
+
+
+@runtime_checkable
+class ScheduledMambaEngine(RequestRows, Protocol):
+    """What a ``MambaEngine`` whose server publishes requests itself also takes."""
+
+    def admit(self, req: Any, prompt: Key) -> tuple[tuple[int, ...], int, bool]:
+        """Match the prompt (copying the hit's state into a slot of the request's own,
+        or giving it a fresh one), bind a row, lock where the match ended: the matched
+        full slots, the request's state slot, whether it is a copy."""
+
+    def checkpoint(self, req: Any, up_to: int) -> list[tuple[int, int | None, bool]]:
+        """Publish ``[protected, up_to)`` of an unfinished request; each insert made, as
+        (key length, the state slot offered, whether the tree took it)."""
+
+    def release(self, req: Any, owned: int,
+                checkpoint: bool) -> list[tuple[int, int | None, bool]]:
+        """Finish (``checkpoint``: a last publish) or drop (abort, retraction) a request;
+        the inserts made."""
+
+    def request_state(self, req: Any) -> int | None:
+        """The request's own state slot, or None once it has none."""
+
+
+@dataclass
+class Scheduled:
+    """A request the machine drives through a ``ScheduledMambaEngine``: ``end`` tokens
+    computed, ``allocated`` row positions with slots, its own ``state`` slot, its lock on
+    ``page`` (the model's)."""
+
+    req: Any
+    tokens: tuple[int, ...]
+    prompt_len: int
+    page: Key | None
+    state: int
+    allocated: int
+    end: int
 
 
 def state_problems(engine_state: MambaState, expected: MambaState) -> list[str]:
@@ -81,6 +139,8 @@ def make_mamba_machine(build: Build, config: MambaConfig,
     what the examples exercised (forks, state tombstones, refills, evictions, ...)."""
     seen = reached if reached is not None else Counter()
     ps = config.page_size
+    # A scheduled request fits in half the full pool, so that two run side by side.
+    longest = min(MAX_REQUEST, config.full_slots // 2)
 
     class MambaMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -90,6 +150,9 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             self.kv_codes = Codes()
             self.state_codes = Codes()
             self.running: list[Running] = []
+            self.scheduler = (self.engine if isinstance(self.engine, ScheduledMambaEngine)
+                              else None)
+            self.scheduled: list[Scheduled] = []
             seen["examples"] += 1
             self.check("the initial state")
 
@@ -286,6 +349,217 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             self.model = model.dec_lock_ref(self.model, request.page, request.state_released)
             seen["finish"] += 1
             self.check(f"unlock({request.page}, state_released={request.state_released})")
+
+        # -- requests as the scheduler hands them over (ScheduledMambaEngine) -----------
+        def can_admit(self) -> bool:
+            return self.scheduler is not None and len(self.scheduled) < MAX_SCHEDULED
+
+        def state_room(self) -> bool:
+            """A free state slot for a call that allocates one, evicting a cached state
+            if there is none (SGLang would evict inside the call: DEV-M1)."""
+            if not self.model.state_free:
+                seen["state_short"] += 1
+                self.evict("states", 1)
+            return bool(self.model.state_free)
+
+        @precondition(lambda self: self.can_admit())
+        @rule(prompt=st.lists(st.integers(1, 3), min_size=1, max_size=longest).map(tuple),
+              tail=decode_tail)
+        def admit_request(self, prompt: tuple[int, ...], tail: tuple[int, ...]) -> None:
+            self.admit(prompt, tail)
+
+        @precondition(lambda self: self.can_admit() and bool(self.scheduled))
+        @rule(data=st.data(), tail=decode_tail)
+        def admit_sharing(self, data: st.DataObject, tail: tuple[int, ...]) -> None:
+            """A request whose prompt is a prefix of a live request's tokens: its match
+            ends on that request's checkpoints (a branch, its state copied)."""
+            other = self.scheduled[pick(data, self.scheduled, lambda s: True)]
+            cut = data.draw(st.integers(1, len(other.tokens)))
+            self.admit(other.tokens[:cut], tail)
+
+        def admit(self, prompt: tuple[int, ...], tail: tuple[int, ...]) -> None:
+            assert self.scheduler is not None
+            if not self.state_room():
+                seen["abandoned"] += 1
+                return
+            tail = tail[:max(0, longest - len(prompt))]
+            req = self.scheduler.new_request(prompt + tail, len(prompt))
+            key = Key(prompt)
+            slots, state, copied = self.scheduler.admit(req, key)
+            want = model.match_prefix(self.model, key)
+            page = self.scheduler.locked_page(req)
+            problems = list(model.match_problems(self.model, key, page, want.full_hit))
+            if (slots, page) != (want.full_slots, want.last_page):
+                problems.append(f"engine {page} {slots}, model {want.last_page} "
+                                f"{want.full_slots}")
+            if copied != (want.last_page is not None):
+                problems.append(f"the request's state {'is' if copied else 'is not'} a "
+                                f"copy, the match ended at {want.last_page}")
+            assert not problems, f"admit({prompt}):\n  " + "\n  ".join(problems)
+            if want.last_page is not None:
+                self.model = model.fork(self.model, want.last_page, state)
+                seen["admitted_on_a_copy"] += 1
+            else:
+                empty = Key((), key.namespace)
+                self.model = model.alloc_state(self.model, state, empty)
+                self.engine.write_state(state, self.state_codes.code(empty))
+            self.model = model.inc_lock_ref(self.model, want.last_page, True)
+            self.scheduled.append(Scheduled(req, prompt + tail, len(prompt), want.last_page,
+                                            state, len(slots), len(slots)))
+            seen["admitted"] += 1
+            self.check(f"admit({prompt}) matched {len(slots)} at {want.last_page}, state "
+                       f"{state}{' (a copy)' if copied else ''}")
+
+        def grow(self, s: Scheduled, end: int) -> bool:
+            """Full slots for the request's row up to ``end`` and the forward pass that
+            computes it (KV written, the request's state moved to ``end``); False if the
+            full pool has no room even after evicting."""
+            assert self.scheduler is not None
+            need = -(-(end - s.allocated) // ps) * ps
+            if need > 0:
+                full = self.engine.alloc(need)
+                if full is None:
+                    seen["alloc_short"] += 1
+                    self.evict("full", need)
+                    full = self.engine.alloc(need)
+                if full is None:
+                    return False
+                key = Key(s.tokens)
+                self.model = model.alloc(self.model, key, s.allocated, full)
+                self.engine.write_kv(full, [self.kv_codes.code(content_at(key, s.allocated + i))
+                                            for i in range(len(full))])
+                self.scheduler.write_row(s.req, s.allocated, full)
+                s.allocated += need
+            self.scheduler.advance(s.req, end)
+            s.end = end
+            computed = Key(s.tokens[:end])
+            self.engine.write_state(s.state, self.state_codes.code(computed))
+            self.model = model.write_state(self.model, s.state, computed)
+            self.check(f"alloc to {end} of {s.tokens} and the forward pass")
+            return True
+
+        @precondition(lambda self: any(s.end < s.prompt_len for s in self.scheduled))
+        @rule(data=st.data(), chunk=st.integers(1, 8))
+        def prefill_chunk(self, data: st.DataObject, chunk: int) -> None:
+            """One chunk of a chunked prefill, published by ``checkpoint``
+            (``checkpoint_kv_cache``, common.py:278, after every extend)."""
+            index = pick(data, self.scheduled, lambda s: s.end < s.prompt_len)
+            s = self.scheduled[index]
+            if not self.grow(s, min(s.prompt_len, s.end + chunk)) or not self.state_room():
+                self.drop(index, "aborted_for_room")
+                return
+            self.publish(s, finish=False)
+
+        @precondition(lambda self: any(s.prompt_len <= s.end < len(s.tokens)
+                                       for s in self.scheduled))
+        @rule(data=st.data(), steps=st.integers(1, 6))
+        def decode(self, data: st.DataObject, steps: int) -> None:
+            """Decode steps, one token each; a step short of room retracts the request
+            (``retract_decode`` -> ``release_req``, schedule_batch.py:2389), which the
+            scheduler re-admits later."""
+            index = pick(data, self.scheduled, lambda s: s.prompt_len <= s.end < len(s.tokens))
+            s = self.scheduled[index]
+            for _ in range(steps):
+                if s.end >= len(s.tokens):
+                    return
+                seen["decode_steps"] += 1
+                if not self.grow(s, s.end + 1):
+                    self.drop(index, "retracted")
+                    self.admit(s.tokens[:s.end], s.tokens[s.end:])
+                    return
+
+        @precondition(lambda self: any(s.end >= s.prompt_len for s in self.scheduled))
+        @rule(data=st.data())
+        def finish_request(self, data: st.DataObject) -> None:
+            """``release_kv_cache(req, checkpoint=True)``: the final publish, which
+            offers the tree the request's own state."""
+            index = pick(data, self.scheduled, lambda s: s.end >= s.prompt_len)
+            self.publish(self.scheduled.pop(index), finish=True)
+
+        @precondition(lambda self: bool(self.scheduled))
+        @rule(data=st.data(), now=st.integers(0, 2))
+        def abort_request(self, data: st.DataObject, now: int) -> None:
+            """An abort (``scheduler.py:3819``): ``release_kv_cache(req,
+            checkpoint=False)``, prefill chunks already published included. One draw in
+            three: requests mostly run their course."""
+            if now:
+                return
+            index = pick(data, self.scheduled, lambda s: True)
+            mid_prefill = self.scheduled[index].end < self.scheduled[index].prompt_len
+            self.drop(index, "aborted_in_prefill" if mid_prefill else "aborted")
+
+        def drop(self, index: int, why: str) -> None:
+            """Release a request without publishing: its row past the protected prefix
+            and its state freed, its lock released."""
+            assert self.scheduler is not None
+            s = self.scheduled.pop(index)
+            p0, mine = release_unpublished(self.scheduler, s.req, s.allocated, s.end,
+                                           self.model.held_full)
+            assert self.scheduler.request_state(s.req) is None, (
+                f"{s.tokens}: released without checkpoint, still holds state "
+                f"{self.scheduler.request_state(s.req)}")
+            if mine:
+                self.model = model.free(self.model, mine)
+            self.model = model.free_state(self.model, s.state)
+            self.model = model.dec_lock_ref(self.model, s.page, False)
+            seen[why] += 1
+            self.check(f"release({s.tokens}, checkpoint=False) [{why}] at {s.end}, "
+                       f"protected {p0}")
+
+        def publish(self, s: Scheduled, finish: bool) -> None:
+            """A checkpoint (``finish``: the final one of ``release_kv_cache``), replayed
+            on the model from what the call did (module docstring)."""
+            assert self.scheduler is not None
+            sched = self.scheduler
+            p0 = sched.protected_len(s.req)
+            row = sched.row(s.req, s.allocated)
+            inserts = (sched.release(s.req, s.end, True) if finish
+                       else sched.checkpoint(s.req, s.end))
+            assert len(inserts) <= 1, f"one checkpoint made inserts {inserts}"
+            length, offered, taken = inserts[0] if inserts else (p0, None, False)
+            key = Key(s.tokens[:length])
+            step = (f"{'release' if finish else 'checkpoint'}({s.tokens[:s.end]}) protected "
+                    f"{p0}, insert {length} offering state {offered}, taken {taken}")
+            if inserts:
+                problems = []
+                if finish and offered != s.state:
+                    problems.append(f"the final insert offered {offered}, not the "
+                                    f"request's state {s.state}")
+                if not finish and (offered is None or offered == s.state):
+                    problems.append(f"a chunk's insert offered {offered}, not a copy")
+                assert not problems, f"{step}: " + "; ".join(problems)
+                assert offered is not None
+                if not finish:
+                    # The copy holds the state after what the request computed.
+                    self.model = model.alloc_state(self.model, offered,
+                                                   Key(s.tokens[:s.end]))
+                self.model, _, took = model.insert(self.model, key, row[:length], offered)
+                assert took == taken, f"{step}: the model's insert took the state: {took}"
+                if not taken:
+                    self.model = model.free_state(self.model, offered)
+                seen["states_published" if taken else "states_already_cached"] += 1
+            elif finish:
+                self.model = model.free_state(self.model, s.state)
+            seen["finished_requests" if finish else "chunks"] += 1
+            # Duplicates of the tree's own slots: the insert freed them (DEV-24).
+            leftover = tuple(f for f in row[p0:length] if f in self.model.held_full)
+            if leftover:
+                self.model = model.free(self.model, leftover)
+            self.model = model.dec_lock_ref(self.model, s.page, False)
+            if finish:
+                rest = tuple(f for f in row[length:] if f in self.model.held_full)
+                if rest:
+                    self.model = model.free(self.model, rest)
+                self.check(step)
+                return
+            page = key if length else None
+            self.model = model.inc_lock_ref(self.model, page, True)
+            s.page = page
+            problems = lock_moved_problems(sched, s.req, page, length)
+            if sched.request_state(s.req) != s.state:
+                problems.append(f"the request's state is {sched.request_state(s.req)}")
+            assert not problems, f"after {step}: " + "; ".join(problems)
+            self.check(step)
 
     MambaMachine.__name__ = f"MambaMachine_{config.page_size}_{config.state_slots}"
     return MambaMachine

@@ -62,7 +62,17 @@ import torch
 
 from hiradix.conformance.mamba.engine import MambaHit, MambaPageView, MambaView
 from hiradix.engines.protocol import EngineUnavailable, probe_engine
-from hiradix.engines.sglang.swa import DTYPE, EXACT, SETUP, VERSIONS
+from hiradix.engines.sglang.swa import (
+    DTYPE,
+    EXACT,
+    SETUP,
+    VERSIONS,
+    SglangRequest,
+    advance_request,
+    inserts_observed,
+    new_request,
+    release_row,
+)
 from hiradix.engines.sglang.unified import prepare, radix_key
 from hiradix_model import Key
 from hiradix_model.mamba import MambaConfig
@@ -71,8 +81,10 @@ from hiradix_model.mamba import MambaConfig
 # adapter's: the same UnifiedRadixCache release, components aside.
 NAME = "sglang-mamba"
 FULL_LAYERS, MAMBA_LAYERS = [0], [1]  # one full-attention and one Mamba layer
-REQ_ROWS = 1  # HybridReqToTokenPool rows; the adapter never registers a request row
-MAX_CONTEXT = 8  # its row length; unused for the same reason
+# HybridReqToTokenPool rows and their length: rows for the request-level calls of
+# ``SglangMambaScheduledAdapter`` (the machine keeps at most four requests of at most 18
+# tokens live); the protocol's own calls use none.
+REQ_ROWS, MAX_CONTEXT = 8, 64
 _MODULES = {
     "pool": "sglang.srt.mem_cache.memory_pool",
     "mamba_utils": "sglang.srt.configs.mamba_utils",
@@ -528,5 +540,143 @@ class SglangMambaAdapter:
         self.cache.shutdown()
 
 
-# The registry's builder (``hiradix.engines.catalog``): one fresh cache per configuration.
-build = SglangMambaAdapter
+class SglangMambaScheduledAdapter(SglangMambaAdapter):
+    """An ``SglangMambaAdapter`` that also takes requests as the scheduler hands them over
+    (``hiradix.conformance.mamba.machine.ScheduledMambaEngine``): admission with copy on
+    write, rows written as the forward pass computes, ``checkpoint`` per prefill chunk,
+    ``release_kv_cache`` with or without a last checkpoint. Page size 1 only: above it the
+    tree takes states only where the extra buffer's ping-pong tracking says
+    (``MambaComponent.prepare_for_caching_req`` reads ``mamba_last_track_seqlen``, which
+    the model runner sets; spec/13m 13m.9 leaves that unspecified)."""
+
+    def __init__(self, config: MambaConfig) -> None:
+        if isinstance(config, MambaConfig) and config.page_size != 1:
+            raise ValueError(f"{NAME}: request-level calls need page size 1, got "
+                             f"{config.page_size}")
+        super().__init__(config)
+        self.requests = 0  # requests made by ``new_request``, for their ids
+
+    def _resync_held(self) -> None:
+        """After a request-level call: slots the tree took or the call freed leave the
+        caller's (both happen inside SGLang, where the adapter cannot hook). Only
+        removals: a slot neither free nor owned stays held, so a leak shows in the pool
+        balance."""
+        pages = self._pages()
+        owned_full = {s for page in pages.values() for s in page.full}
+        owned_states = {page.state for page in pages.values() if page.state is not None}
+        view = self.observe()
+        self.held_full -= owned_full | view.full_free
+        self.held_states -= owned_states | view.state_free
+
+    def new_request(self, tokens: Sequence[int], prompt_len: int) -> SglangRequest:
+        """A request whose prompt is ``tokens[:prompt_len]``, not yet admitted."""
+        self.requests += 1
+        return new_request(self.req_kv(), f"r{self.requests}", tokens, prompt_len, NAME)
+
+    def admit(self, req: SglangRequest, prompt: Key) -> tuple[tuple[int, ...], int, bool]:
+        """A new request's admission: ``init_next_round_input`` matches with copy on
+        write (schedule_batch.py:1733, ``match_kv_cache``: a hit on a state gives the
+        request a slot of its own and records the source), the model runner copies the
+        state before the forward pass (``copy_mamba_state``), ``alloc_req_slots`` binds a
+        row and, where no copy was made, a fresh state (``HybridReqToTokenPool.alloc``),
+        and the request locks the node its match ended at. Returns the matched full
+        slots, the request's state slot and whether it is a copy of the hit's (model
+        ids). The machine sees to a free state slot first: SGLang would evict one inside
+        the match (``finalize_match_result_in_cache``, as DEV-M1)."""
+        self._tick()
+        got = self.cache.match_prefix(self.m["base"].MatchPrefixParams(
+            key=radix_key(self.env, prompt), cow_mamba=True, req=req))
+        forked = req.kv.mamba_cow_src_index is not None
+        if forked:
+            dst = req.kv.mamba_pool_idx.unsqueeze(0)
+            self.rows.copy_mamba_state(
+                self.rows.translate_mamba_indices(req.kv.mamba_cow_src_index),
+                self.rows.translate_mamba_indices(dst))
+        if self.rows.alloc([req]) is None:
+            raise AssertionError(f"{NAME}: no request row left for {req.rid}")
+        slots = self.tree.collect_full_device_indices(got.last_device_node,
+                                                      self.tree.root_node.id)
+        req.kv.cache_protected_len = len(slots)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = req.extend_end = len(slots)
+        req.last_node = got.last_device_node
+        req.lock = self.cache.lock(got.last_device_node)
+        self.rows.write((req.kv.req_pool_idx, slice(0, len(slots))), slots)
+        state = int(req.kv.mamba_pool_idx) - 1
+        self.held_states.add(state)
+        return self._full_out(slots.tolist()), state, forked
+
+    def write_row(self, req: SglangRequest, start: int, full_slots: Sequence[int]) -> None:
+        """Put ``full_slots`` (from ``alloc``) in the request's row from ``start`` on."""
+        self.rows.write((req.kv.req_pool_idx, slice(start, start + len(full_slots))),
+                        torch.tensor(self._full_in(full_slots), dtype=torch.int32))
+        req.kv.kv_allocated_len = max(req.kv.kv_allocated_len, start + len(full_slots))
+
+    def advance(self, req: SglangRequest, end: int) -> None:
+        """The forward pass computed the request up to ``end`` (``advance_request``); its
+        state is the caller's to write (``write_state``)."""
+        advance_request(req, end, NAME)
+
+    def request_state(self, req: SglangRequest) -> int | None:
+        """The request's own state slot (model id), or None once it has none."""
+        index = req.kv.mamba_pool_idx
+        return None if index is None else int(index) - 1
+
+    def row(self, req: SglangRequest, end: int) -> tuple[int, ...]:
+        return self._full_out(self.rows.req_to_token[req.kv.req_pool_idx, :end].tolist())
+
+    def protected_len(self, req: SglangRequest) -> int:
+        return int(req.kv.cache_protected_len)
+
+    def locked_page(self, req: SglangRequest) -> Key | None:
+        return self._page_of(req.lock.node)
+
+    def locked_path(self, req: SglangRequest) -> tuple[int, ...]:
+        slots = self.tree.collect_full_device_indices(req.lock.node, self.tree.root_node.id)
+        return self._full_out(slots.tolist())
+
+    def checkpoint(self, req: SglangRequest, up_to: int) -> list[tuple[int, int | None, bool]]:
+        """``UnifiedRadixCache.checkpoint(req, up_to=up_to)``. Each insert it made, as
+        (key length, the state slot it offered -- for an unfinished request a fresh
+        copy of the request's state, ``prepare_for_caching_req``; for a finished one the
+        request's own -- and whether the tree took it). Observed in flight: the call
+        frees an offered copy the tree did not take (``cleanup_after_caching_req``).
+        The machine sees to a free state slot first (SGLang would evict one,
+        ``_alloc_mamba_slot``)."""
+        self._tick()
+        inserts: list[tuple[int, int | None, bool]] = []
+
+        def record(params: Any, result: Any) -> None:
+            value = params.mamba_value
+            inserts.append((len(params.key), None if value is None else int(value[0]) - 1,
+                            value is not None and not result.mamba_exist))
+
+        with inserts_observed(self.cache, record):
+            self.cache.checkpoint(req, up_to=up_to)
+        self._resync_held()
+        return inserts
+
+    def release(self, req: SglangRequest, owned: int,
+                checkpoint: bool) -> list[tuple[int, int | None, bool]]:
+        """``release_kv_cache(req, checkpoint=checkpoint)`` (common.py:403-443, without
+        the speculative-decoding over-allocation step): with ``checkpoint`` a finished
+        request's final checkpoint, which offers the tree the request's own state;
+        without, an abort or a retraction, whose ``on_release`` frees the request's
+        state (``cleanup_after_caching_req(is_finished=True)``). Then the row past the
+        protected prefix is freed, the lock released and the row given back. Returns the
+        final checkpoint's inserts (``checkpoint``; none without)."""
+        if checkpoint:
+            req.done = True  # the tree reads finished() to take the state, not a copy
+        inserts = self.checkpoint(req, owned) if checkpoint else []
+        self._tick()
+        release_row(self.cache, self.rows, req, owned, checkpoint)
+        self._resync_held()
+        return inserts
+
+
+def build(config: MambaConfig) -> SglangMambaAdapter:
+    """The registry's builder (``hiradix.engines.catalog``): one fresh cache per
+    configuration; at page size 1 one that also takes requests (``ScheduledMambaEngine``),
+    above it the protocol's calls only (``SglangMambaScheduledAdapter``)."""
+    if isinstance(config, MambaConfig) and config.page_size == 1:
+        return SglangMambaScheduledAdapter(config)
+    return SglangMambaAdapter(config)

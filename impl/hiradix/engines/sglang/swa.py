@@ -53,7 +53,9 @@ from __future__ import annotations
 
 import importlib
 import math
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -80,6 +82,7 @@ EXACT = 2 ** 24  # float32 holds every integer below this exactly
 _SWA_MODULES = {
     "swa_pool": "sglang.srt.mem_cache.swa_memory_pool",
     "swa_alloc": "sglang.srt.mem_cache.allocator.swa",
+    "batch": "sglang.srt.managers.schedule_batch",
 }
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 WRITE_POLICIES: tuple[WritePolicy, ...] = ("write_through", "write_through_selective",
@@ -91,6 +94,10 @@ HICACHE_RATIO = 1.0
 # is done by the first poll after it was issued; a second covers a backup that an ack
 # itself queues.
 SETTLE_POLLS = 4
+# The request rows ``build`` gives every cache for the request-level calls the hybrid
+# machine drives (``ScheduledSwaEngine``), and the longest row: the machine keeps at most
+# four requests of at most 18 tokens live.
+REQ_ROWS, MAX_CONTEXT = 8, 64
 
 
 def _modules() -> tuple[UnifiedEnv, dict[str, Any]]:
@@ -303,6 +310,94 @@ class SwaPoolPair:
 
 
 @dataclass
+class SglangRequest:
+    """A stand-in for SGLang's ``Req`` with the fields the cache's request-level calls
+    read (``checkpoint_into_tree``, ``free_swa_out_of_window_slots``, ``free_kv_row``,
+    ``on_release``); ``kv`` is a real ``ReqKvInfo``, so its cursors and lengths follow
+    SGLang's own logic. ``tokens`` is the whole sequence the request will have computed
+    when it finishes (prompt, then decoded tokens); SGLang never reads it."""
+
+    rid: str
+    origin_input_ids: array[int]
+    kv: Any
+    full_untruncated_fill_ids: array[int]
+    extend_end: int = 0
+    done: bool = False
+    priority: int = 0
+    session_id: None = None
+    session: None = None
+    kv_rotation_base: None = None
+    extra_key: None = None
+    cache_salt: None = None
+    lock: Any = None
+    last_node: Any = None
+    swa_branching_seqlen: int | None = None
+    finished_reason: None = None
+    tokens: tuple[int, ...] = ()
+
+    def finished(self) -> bool:
+        return self.done
+
+    def get_fill_ids(self) -> array[int]:
+        return self.full_untruncated_fill_ids[: self.extend_end]
+
+
+def new_request(kv: Any, rid: str, tokens: Sequence[int], prompt_len: int,
+                engine: str) -> SglangRequest:
+    """A request ``rid`` whose prompt is ``tokens[:prompt_len]`` and which will have
+    computed ``tokens`` when it finishes, with ``kv`` (a fresh ``ReqKvInfo``); not yet
+    admitted."""
+    if not 0 < prompt_len <= len(tokens):
+        raise ValueError(f"{engine}: prompt_len must lie in 1..{len(tokens)}, got {prompt_len}")
+    prompt = array("q", tokens[:prompt_len])
+    return SglangRequest(rid=rid, origin_input_ids=prompt, kv=kv,
+                         full_untruncated_fill_ids=array("q", prompt), tokens=tuple(tokens))
+
+
+@contextmanager
+def inserts_observed(cache: Any, record: Callable[[Any, Any], None]) -> Iterator[None]:
+    """While open, every ``cache.insert`` is passed to ``record`` with its params and
+    its result: what a request-level call inserted, which it reports nowhere."""
+    insert = cache.insert
+
+    def observed(params: Any) -> Any:
+        result = insert(params)
+        record(params, result)
+        return result
+
+    cache.insert = observed
+    try:
+        yield
+    finally:
+        del cache.insert  # the class's method again
+
+
+def release_row(cache: Any, rows: Any, req: SglangRequest, owned: int,
+                checkpointed: bool) -> None:
+    """The rest of ``release_kv_cache`` (common.py:433-443) after its checkpoint, if any:
+    the row past the protected prefix freed (``free_kv_row``: a pair behind the request's
+    SWA cursor frees its full half only), the lock released, ``on_release`` run (without
+    a checkpoint, each component's ``cleanup_after_caching_req(is_finished=True)``), the
+    row given back."""
+    cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned)])
+    cache.unlock(req.lock)
+    req.lock = None
+    cache.on_release(req, checkpointed=checkpointed)
+    rows.free(req)
+
+
+def advance_request(req: SglangRequest, end: int, engine: str) -> None:
+    """The forward pass computed ``req`` up to position ``end``: its committed length,
+    extend end and fill ids move there (the scheduler's ``prepare_for_extend`` /
+    ``prepare_for_decode`` and the result processor). Its row must hold slots that far."""
+    last = min(req.kv.kv_allocated_len, len(req.tokens))
+    if not req.kv.kv_committed_len <= end <= last:
+        raise ValueError(f"{engine}: advance to {end} outside {req.kv.kv_committed_len}..{last}")
+    req.kv.kv_committed_len = req.extend_end = end
+    req.full_untruncated_fill_ids = array("q", req.tokens[:end])
+
+
+@dataclass
 class _Node:
     """One tree node as ``observe`` reads it."""
 
@@ -339,6 +434,8 @@ class SglangSwaAdapter:
         self.env.clock.now = 0  # not the previous cache's last tick
         ps = self.ps = config.page_size
         self.pools = SwaPoolPair(config, swa["swa_pool"], swa["swa_alloc"])
+        self.req_kv = swa["batch"].ReqKvInfo
+        self.requests = 0  # requests made by ``new_request``, for their ids
         self.kv, self.allocator = self.pools.kv, self.pools.allocator
         self.held = self.pools.held  # caller-held full slot -> has its SWA half
         types = self.m["components"].ComponentType
@@ -589,6 +686,19 @@ class SglangSwaAdapter:
             else:
                 self.held[slot] = int(mapping[slot]) > 0
 
+    def new_request(self, tokens: Sequence[int], prompt_len: int) -> SglangRequest:
+        """A request whose prompt is ``tokens[:prompt_len]``, not yet admitted."""
+        self.requests += 1
+        return new_request(self.req_kv(), f"r{self.requests}", tokens, prompt_len, self.name)
+
+    def advance(self, req: SglangRequest, end: int) -> None:
+        """The forward pass computed the request up to ``end`` (``advance_request``)."""
+        advance_request(req, end, self.name)
+
+    def protected_len(self, req: Any) -> int:
+        """The request's ``cache_protected_len``: the row prefix the tree owns."""
+        return int(req.kv.cache_protected_len)
+
     def admit(self, req: Any, prompt: Key) -> tuple[int, ...]:
         """A new request's admission (``PrefillAdder``: ``match_prefix``, then the
         request locks the node its device match ended at): sets the fields
@@ -618,6 +728,7 @@ class SglangSwaAdapter:
             raise ValueError(f"{NAME}: write_row needs an adapter built with req_rows")
         self.rows.write((req.kv.req_pool_idx, slice(start, start + len(full_slots))),
                         torch.tensor(self._in(full_slots), dtype=torch.int32))
+        req.kv.kv_allocated_len = max(req.kv.kv_allocated_len, start + len(full_slots))
 
     def row(self, req: Any, end: int) -> tuple[int, ...]:
         """The request's row up to ``end``, as the model numbers slots."""
@@ -647,18 +758,9 @@ class SglangSwaAdapter:
             raise ValueError(f"{NAME}: checkpoint needs an adapter built with req_rows")
         self._tick()
         inserts: list[tuple[int, int]] = []
-        insert = self.cache.insert
-
-        def observed(params: Any) -> Any:
-            inserts.append((len(params.key),
-                            int(params.component_evicted_seqlens.get(self.swa_ct, 0))))
-            return insert(params)
-
-        self.cache.insert = observed
-        try:
+        with inserts_observed(self.cache, lambda params, _: inserts.append(
+                (len(params.key), int(params.component_evicted_seqlens.get(self.swa_ct, 0))))):
             self.cache.checkpoint(req, up_to=up_to)
-        finally:
-            del self.cache.insert  # the class's method again
         self._resync_held()
         self._settle()
         return inserts
@@ -670,20 +772,24 @@ class SglangSwaAdapter:
         self.cache.evict_sliding_windows(req, pre_len)
         self._resync_held()
 
-    def release(self, req: Any, owned: int) -> list[tuple[int, int]]:
-        """``release_kv_cache(req, checkpoint=True)`` for a finished request: the final
-        checkpoint, the row past the protected prefix freed, the lock released, the row
-        given back (common.py, without the speculative-decoding over-allocation step).
-        Returns the final checkpoint's inserts (``checkpoint``)."""
-        inserts = self.checkpoint(req, up_to=owned)
+    def release(self, req: Any, owned: int, checkpoint: bool = True) -> list[tuple[int, int]]:
+        """``release_kv_cache(req, checkpoint=checkpoint)`` (common.py:403-443, without the
+        speculative-decoding over-allocation step): with ``checkpoint`` a finished
+        request's final checkpoint (the tree takes what it can key); without, a request
+        the scheduler drops unpublished -- an abort (``scheduler.py:3819``), a retraction
+        (``schedule_batch.py:2389`` ``release_req``). Then the row past the protected
+        prefix is freed (``free_kv_row``: a pair behind the request's SWA cursor frees its
+        full half only), the lock released, ``on_release`` run (without a checkpoint,
+        each component's ``cleanup_after_caching_req(is_finished=True)``) and the row
+        given back. Returns the final checkpoint's inserts (``checkpoint``; none
+        without)."""
         if self.rows is None:
             raise ValueError(f"{NAME}: release needs an adapter built with req_rows")
+        if checkpoint:
+            req.done = True  # the tree reads finished() to tell the final insert
+        inserts = self.checkpoint(req, up_to=owned) if checkpoint else []
         self._tick()
-        self.cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned)])
-        self.cache.unlock(req.lock)
-        req.lock = None
-        self.cache.on_release(req, checkpointed=True)
-        self.rows.free(req)
+        release_row(self.cache, self.rows, req, owned, checkpoint)
         self._resync_held()
         self._settle()
         return inserts
@@ -776,8 +882,9 @@ class SglangSwaAdapter:
 
 
 def build(config: SwaConfig) -> SglangSwaAdapter:
-    """An ``SglangSwaAdapter`` for ``config``."""
-    return SglangSwaAdapter(config)
+    """An ``SglangSwaAdapter`` for ``config``, with request rows for the scheduler's
+    request-level calls (``ScheduledSwaEngine``)."""
+    return SglangSwaAdapter(config, req_rows=REQ_ROWS, max_context_len=MAX_CONTEXT)
 
 
 def build_hicache(policy: WritePolicy) -> Callable[[SwaConfig], SglangSwaAdapter]:
@@ -786,7 +893,8 @@ def build_hicache(policy: WritePolicy) -> Callable[[SwaConfig], SglangSwaAdapter
         raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {policy!r}")
 
     def build_with(config: SwaConfig) -> SglangSwaAdapter:
-        return SglangSwaAdapter(config, hicache=policy)
+        return SglangSwaAdapter(config, hicache=policy, req_rows=REQ_ROWS,
+                                max_context_len=MAX_CONTEXT)
     return build_with
 
 
