@@ -24,6 +24,11 @@ in brackets):
    (``cache_controller.py`` :1228-1248 [1343-1366]);
 5. the next pass drains the hit queue (``check_hicache_events`` :3557 [3889] →
    ``_drain_storage_control_queues_impl``), the ended operation's result first.
+
+The campaign reaches it by itself (its issue, hit query, hit drain, poll, abort and
+re-issue rules, spec/09 9.10): a bounded, derandomized campaign with the steering lifted
+fails naming the revoked prefetch; with the steering (``avoid``) the same campaign goes
+on, and with the drain fixed (a private copy) the unsteered one finds nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import invariant, run_state_machine_as_test
 from test_sglang_unified_storage import machine_class, policy, sglang_installed, stored_and_evicted
 
 from hiradix.conformance.scenario import Scenario
+from hiradix.conformance.tally import Tally
 from hiradix_model import Key
 
 __all__ = ["sglang_installed"]  # the autouse skip where SGLang is missing
@@ -168,3 +176,79 @@ def test_dev_s29_0_5_23_timeout_issues_no_second_prefetch(state: Any) -> None:
     _, node, matched = state.anchor_and_tokens(KEY)
     second = engine.issue_prefetch(KEY, node, matched, "r0")
     assert (second is not None) is engine.v20
+
+
+# -- the campaign finds it, then steers around it ----------------------------------------
+
+# The adapter's name for DEV-S29 in ``avoid``, and the machine's counts around it.
+AVOID = "reprefetch_with_an_ended_result_queued"
+STEERED = "prefetch not issued: a hit query or result of its ended prefetch is queued (DEV-S29)"
+RACE = "hit result of an ended prefetch drained while the request's next one awaits its own"
+
+
+def campaign(examples: int) -> settings:
+    """A fixed draw (derandomized; it still depends on the Hypothesis runs made before in
+    the process), no shrinking: bounded."""
+    return settings(max_examples=examples, stateful_step_count=40, derandomize=True,
+                    database=None, deadline=None, phases=[Phase.generate])
+
+
+class RaceReached(Exception):
+    """The campaign met DEV-S29's race as often as wanted, with nothing failing."""
+
+
+def campaign_machine(tally: Tally, steer: bool, stop_after: int | None = None) -> Any:
+    """The ``sglang-unified-storage`` campaign's machine (page size 1), with DEV-S29's
+    steering lifted unless ``steer``; with ``stop_after``, the run stops (``RaceReached``)
+    once the race was met that often and every check after it held."""
+    base = machine_class(Scenario(page_size=1), tally)
+
+    class Campaign(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            assert AVOID in self.engine.avoid and "DEV-S29" in self.engine.avoid[AVOID]
+            if not steer:
+                self.steered = self.steered - {AVOID}
+            self.races_before = tally.ops[RACE]  # counted in this example only
+
+        @invariant()
+        def stop_once_the_race_was_met(self) -> None:
+            met = tally.ops[RACE] - self.races_before
+            if stop_after is not None and met >= stop_after:
+                self.engine_refines_the_model()  # the checks after the race, first
+                raise RaceReached(met)
+    return Campaign
+
+
+def test_dev_s29_a_bounded_campaign_finds_it() -> None:
+    """Unsteered, the campaign issues, polls and re-issues until an ended prefetch's
+    result revokes the next one; the failure names the revoked prefetch."""
+    tally = Tally()
+    with pytest.raises(AssertionError,
+                       match=r"issued prefetch of r\d revoked by SGLang: no poll, abort"):
+        run_state_machine_as_test(campaign_machine(tally, steer=False),
+                                  settings=campaign(800))
+    assert tally.ops["issued prefetch ended by a poll before its hit drain"]
+
+
+def test_dev_s29_the_campaign_steers_around_it() -> None:
+    """Steered (``avoid``): the campaign issues no prefetch for a request while a hit
+    query or result of its ended prefetch is queued, never meets the race, and goes on."""
+    tally = Tally()
+    run_state_machine_as_test(campaign_machine(tally, steer=True), settings=campaign(150))
+    assert tally.ops[STEERED] > 0 and tally.ops[RACE] == 0
+
+
+def test_dev_s29_the_unsteered_campaign_passes_on_the_fixed_drain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a private copy of the drain whose hit drain matches a result to its operation,
+    the unsteered campaign meets the race and every check after it holds: what it found
+    is DEV-S29's lookup alone."""
+    from hiradix.engines.sglang.unified_storage import prepare_storage  # imports SGLang
+    cache_class = prepare_storage().unified.modules["uni"].UnifiedRadixCache
+    monkeypatch.setattr(cache_class, "_drain_storage_control_queues_impl",
+                        matched_by_operation(cache_class))
+    tally = Tally()
+    with pytest.raises(RaceReached):
+        run_state_machine_as_test(campaign_machine(tally, steer=False, stop_after=1),
+                                  settings=campaign(800))

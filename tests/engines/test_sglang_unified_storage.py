@@ -103,7 +103,10 @@ def test_unified_storage_tier_refines_the_model(scenario: Scenario) -> None:
 # What a bounded campaign must reach, or it would pass without driving the storage tier.
 REACHED = ("attach_storage", "detach_storage", "query_storage_hit_length",
            "prefetch_from_storage", "io_prefetch_query", "io_prefetch_fetch",
-           "check_prefetch_progress", "io_storage_write", "drain_storage_queues")
+           "check_prefetch_progress", "io_storage_write", "drain_storage_queues",
+           # the asynchronous part of a prefetch (spec/09 9.10)
+           "prefetch issued", "issued prefetch ended by a poll before its hit drain",
+           "hit result of an ended prefetch drained")
 
 
 def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:
@@ -111,7 +114,7 @@ def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:
     # examples missed the prefetch I/O once on 0.5.20, in a CI run without CI=true).
     tally = Tally()
     run_state_machine_as_test(machine_class(Scenario(page_size=1), tally),
-                              settings=settings(max_examples=60, stateful_step_count=40,
+                              settings=settings(max_examples=100, stateful_step_count=40,
                                                 derandomize=True))
     missing = [op for op in REACHED if not tally.ops[op]]
     assert not missing, (missing, dict(tally.ops))
@@ -174,6 +177,116 @@ def test_query_counts_the_stored_pages(state: Any) -> None:
     state.engine_refines_the_model()
     assert state.engine.query_hit_length(Key((1, 2, 3), None), state.engine.cache.root_node,
                                          0) == 3
+
+
+# -- the asynchronous part of a prefetch, rule by rule (spec/09 9.10) ------------------
+
+def issued(state: Any, tokens: tuple[int, ...]) -> Any:
+    """``tokens`` on storage only, then r0's prefetch issued (hit query and drain to
+    come): the operation SGLang queued."""
+    stored_and_evicted(state, tokens)
+    state.issue("r0", 0, 0)
+    state.engine_refines_the_model()
+    waiting = state.awaiting["r0"]
+    assert state.engine.awaiting_hits() == {"r0": waiting.operation}
+    assert not state.model.storage.prefetches  # the model's prefetch waits (DEV-S14)
+    return waiting.operation
+
+
+def test_an_issued_prefetch_is_the_models_at_its_hit_drain(state: Any) -> None:
+    """Issued: no model prefetch, SGLang holds no slot. Queried: still none. Drained:
+    both reserve the 3 hit slots, fetch and land them."""
+    issued(state, (1, 2, 3))
+    state.hit_query()
+    state.engine_refines_the_model()
+    assert not state.model.storage.prefetches and state.engine.results_queued()
+    state.hit_drain()
+    state.engine_refines_the_model()
+    assert not state.awaiting and len(state.model.storage.prefetch_of("r0").reserved) == 3
+    state.drain()
+    state.engine_refines_the_model()
+    assert state.model.storage.loaded_tokens == {"r0": 3} == state.engine.loaded_tokens()
+
+
+def test_a_poll_ends_an_issued_prefetch_with_no_model_step(state: Any) -> None:
+    """best_effort: the poll ends r0's issued prefetch; its result, drained later, is
+    one of an ended prefetch and changes nothing (no model step on either side)."""
+    issued(state, (1, 2, 3))
+    steps = state.counts.steps
+    state.progress("r0", 0)
+    state.engine_refines_the_model()
+    assert not state.engine.has_prefetch("r0") and not state.awaiting
+    assert state.counts.steps == steps
+    state.hit_query()
+    state.hit_drain()
+    state.engine_refines_the_model()
+    assert not state.model.storage.prefetches and not state.engine.results_queued()
+
+
+def test_wait_complete_waits_for_an_issued_prefetch(state: Any) -> None:
+    policy(state, "wait_complete")
+    issued(state, (1, 2))
+    state.admission(1, False)
+    assert state.engine.has_prefetch("r0") and "r0" in state.awaiting
+
+
+def test_an_abort_ends_an_issued_prefetch(state: Any) -> None:
+    """The abort ends r0's issued prefetch (no model prefetch to end). The name r0 then
+    stands for a new request (a new handle): its prefetch is issued while the aborted
+    one's hit query is queued, and the aborted one's result, drained first, leaves it."""
+    first = issued(state, (1, 2))
+    state.abort("r0")
+    state.engine_refines_the_model()
+    assert not state.awaiting and state.engine.query_pending(first)
+    assert state.engine.ended_queries() == []  # no ended operation under r0's new handle
+    state.prefetch("r0", 0, 0)
+    state.engine_refines_the_model()
+    assert state.counts.ops["hit result of an ended prefetch drained"] == 1
+    assert len(state.engine.prefetches()["r0"].reserved) == 2
+
+
+def test_timeout_of_an_issued_prefetch_counts_from_where_sglang_counts(state: Any) -> None:
+    """timeout, base 2: issued at t, polled at t+1 (both wait), hit drain at t+2. The
+    model's prefetch starts at t on 0.5.20 (the issue), at t+1 on 0.5.23 (the first
+    waiting poll, DEV-S22); the poll at t+3 ends it on 0.5.20 only."""
+    policy(state, "timeout", base=2)
+    issued(state, (1, 2, 3))
+    t = state.now
+    state.progress("r0", 1)
+    state.engine_refines_the_model()
+    state.hit_query()
+    state.tick(1)
+    state.hit_drain()
+    state.engine_refines_the_model()
+    v20 = state.engine.v20
+    assert state.model.storage.prefetch_of("r0").start == (t if v20 else t + 1)
+    state.progress("r0", 1)
+    state.engine_refines_the_model()
+    assert state.engine.has_prefetch("r0") is not v20
+
+
+def test_a_poll_verdict_sglang_should_not_give_is_reported(
+        state: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check of a poll on an issued prefetch can fail: SGLang planted to end a
+    wait_complete prefetch before its hit drain."""
+    policy(state, "wait_complete")
+    issued(state, (1, 2))
+    monkeypatch.setattr(type(state.engine.cache), "_can_terminate_prefetch",
+                        lambda self, operation: True)
+    with pytest.raises(AssertionError, match="issued prefetch: SGLang True, the stop policy"):
+        state.progress("r0", 0)
+
+
+def test_an_issue_the_spec_would_not_start_is_reported(state: Any) -> None:
+    """The check of the issue can fail: SGLang planted with a threshold of one page
+    where the spec's is two issues a one-page prefetch the spec declines."""
+    state.detach(go=0, drain_first=True)
+    state.attach(StorageSettings(prefetch_threshold=2, prefetch_token_limit=NO_LIMIT), 0)
+    stored_and_evicted(state, (1,))
+    assert state.storage().settings.prefetch_threshold == 2
+    state.engine.cache.prefetch_threshold = 1
+    with pytest.raises(AssertionError, match="which the spec does not start"):
+        state.issue("r0", 0, 0)
 
 
 # -- divergences: each a reproducer (spec/09 9.10) ---------------------------------------

@@ -19,7 +19,14 @@ bookkeeping differs (spec/09 9.10):
 - 0.5.23 only: the ``timeout`` policy's deadline starts at the first admission poll
   that finds the prefetch unfinished (``_StoragePrefetchWait``, a ``PollTimer``,
   DEV-S22); a host lock covers the upper part of a split node (DEV-S23). 0.5.20 counts
-  from the issue and locks one node, as HiRadixCache.
+  from the issue and locks one node, as HiRadixCache;
+- a request name aborted stands for a new request afterwards: a new handle (the next
+  attempt), as the server gives its next request a new rid;
+- the prefetch's asynchronous part is reachable call by call (spec/09 9.10): the issue
+  (``issue_prefetch``), the hit query (``pump_query``), the hit drain of the oldest
+  result (``drain_one_hit``); ``awaiting_hits`` names the prefetches issued whose result is not
+  drained, ``prefetches`` those allocated, ``ended_queries`` the requests with a hit
+  query or result queued for an operation no entry holds any more (DEV-S29).
 
 **Deterministic I/O**, as in ``sglang_storage``: ``threading.Thread`` in the controller
 modules (``cache_controller`` and ``hybrid_cache_controller``) is ``_InlineThread``; the
@@ -29,7 +36,7 @@ functions on the calling thread. Deadlines read the suite's logical clock (``_Ti
 Not driven: pipeline parallelism (prefetch tickets, ``bind_prefetch_ticket``,
 ``_check_pp_prefetch_progress``: they need a PP process group), ``buffer_only`` host
 memory mode (parked hits, anchor caps), the scheduler's retry book
-(``storage_prefetch_retries``: re-issue hints the scheduler reads, no cache state),
+(``storage_prefetch_retries``: when it re-issues; the re-issue itself is driven),
 ``assume_stored`` prefetches (``storage_hit_end``), sidecar pools (SWA, Mamba).
 """
 
@@ -95,7 +102,9 @@ def prepare_storage() -> SimpleNamespace:
     global _STORAGE_ENV
     if _STORAGE_ENV is None:
         env = sglang_unified.prepare()
-        modules = {k: importlib.import_module(v) for k, v in _STORAGE_MODULES.items()}
+        # Any: module globals SGLang's code reads at call time are replaced below.
+        modules: dict[str, Any] = {k: importlib.import_module(v)
+                                   for k, v in _STORAGE_MODULES.items()}
         inline = SimpleNamespace(Thread=_InlineThread, Event=threading.Event,
                                  Lock=threading.Lock)
         modules["controller"].threading = inline
@@ -106,7 +115,8 @@ def prepare_storage() -> SimpleNamespace:
                 modules[name].time = clock
             env.modules["uni"].time = clock
         else:
-            importlib.import_module("sglang.srt.utils.poll_timer").time = clock
+            poll_timer: Any = importlib.import_module("sglang.srt.utils.poll_timer")
+            poll_timer.time = clock
         _STORAGE_ENV = SimpleNamespace(unified=env, modules=modules)
     return _STORAGE_ENV
 
@@ -155,8 +165,20 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
             **self.mapped,
             "storage threads": "no thread runs: SGLang's four storage thread functions "
                                "are pumped on the calling thread (inline)",
-            "prefetch issue": "DEV-S14: issue, hit query and the hit drain that "
-                              "allocates are one step",
+            "prefetch issue": "DEV-S14: SGLang allocates at the hit drain; the model's "
+                              "prefetch_from_storage and io_prefetch_query are taken "
+                              "there, the anchor's protection from the issue on "
+                              "(spec/09 9.10)",
+            "request names": "a name aborted stands for a new request afterwards: "
+                             "SGLang's handle is (name, next attempt), as the server's "
+                             "next request has a new rid",
+            "prefetch ended before its hit drain": "DEV-S14: a poll or an abort that "
+                                                   "ends an issued prefetch whose hit "
+                                                   "result is not drained takes no "
+                                                   "model step (the model never began "
+                                                   "it); the poll's verdict is the "
+                                                   "stop policy's (9.6) on a querying "
+                                                   "prefetch",
             "partial allocation": "DEV-S21: the hit drain allocates what the host holds "
                                   "after evicting (at least the threshold); mapped to a "
                                   "prefetch of the allocated pages",
@@ -178,6 +200,9 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
             "backup_of_stored_pages_outstanding": "DEV-S20",
             "fetch_below_a_device_only_page": "DEV-S5",
             "backup_run_partly_fitting_the_host": "DEV-7",
+            "reprefetch_with_an_ended_result_queued":
+                "DEV-S29: the hit drain matches a result to its prefetch by request "
+                "handle; an ended prefetch's result revokes the request's next one",
         }
 
     def setup_storage(self) -> None:
@@ -222,6 +247,66 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
 
     def has_prefetch(self, request: str) -> bool:
         return self.entry(request) is not None
+
+    def awaiting_hits(self) -> dict[str, Any]:
+        """The prefetches issued whose hit result is not drained yet (no host slots):
+        request -> the operation its entry holds."""
+        return {handle.rid: entry.operation
+                for handle, entry in self.cache.ongoing_prefetch.items()
+                if entry.host_indices is None}
+
+    def queries_queued(self) -> bool:
+        """Whether an operation waits for the prefetch thread's hit query."""
+        return self.attached and not self.controller.prefetch_queue.empty()
+
+    def query_pending(self, operation: Any) -> bool:
+        """Whether ``operation`` still waits for the prefetch thread's hit query."""
+        return self.attached and any(op is operation
+                                     for op in list(self.controller.prefetch_queue.queue))
+
+    def results_queued(self) -> list[Any]:
+        """The hit results waiting for the scheduler's hit drain, oldest first."""
+        if not self.attached:
+            return []
+        return [op for op in list(self.controller.prefetch_hit_queue.queue) if op is not None]
+
+    def ended_queries(self) -> list[str]:
+        """The requests whose current handle has an operation queued for the hit query
+        or the hit drain that no prefetch entry holds any more (ended by a poll or a
+        revoke): its result is looked up by that handle (DEV-S29)."""
+        waiting = [op for op in list(self.controller.prefetch_queue.queue) if op is not None] \
+            if self.attached else []
+        return [op.request_id for op in waiting + self.results_queued()
+                if not self.tracked(op) and op.handle == self.handle(op.request_id)]
+
+    def release_aborted_request(self, request: str) -> None:
+        """SGLang's abort; the request name then stands for a new request: a new handle
+        (same rid, the next attempt), as the server's next request has a new rid and an
+        aborted request never prefetches again."""
+        super().release_aborted_request(request)
+        old = self.handle(request)
+        self.handles[request] = self.senv.modules["handle"].CacheRequestHandle(
+            request, old.attempt_id + 1)
+
+    def drain_one_hit(self) -> Any:
+        """The scheduler's hit drain of the oldest hit result alone (a pass that counted
+        one result queued); the operation drained."""
+        operation = self.controller.prefetch_hit_queue.queue[0]
+        self.drain_hits(1)
+        return operation
+
+    def io_queued(self) -> bool:
+        """Whether a storage thread has input waiting, or a hit result the drain."""
+        return super().io_queued() or bool(self.results_queued())
+
+    def deadline_origin(self, request: str) -> int | None:
+        """Where ``request``'s ``timeout`` deadline counts from: 0.5.20, the issue of its
+        operation (``start_time``, as the spec); 0.5.23, the first waiting poll of the
+        handle, if one was made (DEV-S22)."""
+        if not self.v20:
+            return self.waiting_since(request)
+        entry = self.entry(request)
+        return None if entry is None else int(entry.operation.start_time)
 
     def issue_prefetch(self, key: Key, node: Any, matched: int, request: str) -> Any:
         """``prefetch_from_storage`` alone, as the scheduler issues it after a match
@@ -295,8 +380,10 @@ class SglangUnifiedStorageAdapter(SglangStorageAdapter, SglangUnifiedAdapter):
         return self.tree.node_by_id(node_id)
 
     def prefetches(self) -> dict[str, PrefetchView]:
+        """The prefetches whose hit drain allocated host slots (``awaiting_hits``: the rest)."""
         return {handle.rid: self._view(handle.rid, entry)
-                for handle, entry in self.cache.ongoing_prefetch.items()}
+                for handle, entry in self.cache.ongoing_prefetch.items()
+                if entry.host_indices is not None}
 
     def _view(self, request: str, entry: Any) -> PrefetchView:
         """One ``_OngoingPrefetch``: its anchor page, and the pages its host slots
