@@ -15,16 +15,13 @@ import os
 import pytest
 
 from hiradix.engines import EngineUnavailable, probe
-from hiradix.engines.lmcache import env as lmcache_env
 
 
 def require(engine: str) -> str:
-    """The installed version of ``engine`` (any engine ``hiradix.engines.lookup`` knows,
-    or ``lmcache``); skips or fails the calling test otherwise."""
+    """The installed version of ``engine`` (any engine ``hiradix.engines.lookup`` knows);
+    skips or fails the calling test otherwise."""
     required = set(filter(None, os.environ.get("HIRADIX_REQUIRE_ENGINES", "").split(",")))
     try:
-        if engine == "lmcache":  # LMCache's tiers, observed without an adapter yet
-            return lmcache_env.probe(engine)
         return probe(engine)
     except EngineUnavailable as unavailable:
         if engine in required or unavailable.kind == "api":

@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from flat_mutants import FLAT_MUTANTS
 from mamba_mutants import MAMBA_MUTANTS
 from swa_mutants import SWA_MUTANTS
 
 from hiradix_model import INVARIANTS
+from hiradix_model.flat import BYTES_INVARIANT, FLAT_INVARIANTS
 from hiradix_model.hybrid import MATCH_INVARIANT, SWA_INVARIANTS
 from hiradix_model.mamba import MAMBA_INVARIANTS
 from hiradix_model.mamba import MATCH_INVARIANT as MAMBA_MATCH_INVARIANT
@@ -27,9 +29,11 @@ MENTION = re.compile(r"INV-[A-Z0-9]+(?:-[A-Z0-9]+)*")
 # (predicates over every rank's record) and the hybrid ones of spec/13 and 13m (over an
 # SwaState or a MambaState; the two match invariants over a state and a match, tested by
 # test_hybrid, test_mamba and the machines).
-PAGES = ("05-invariants.md", "12-ranks.md", "13-components.md", "13m-mamba.md")
-MATCHES = {MATCH_INVARIANT, MAMBA_MATCH_INVARIANT}
-HYBRID = set(SWA_INVARIANTS) | set(MAMBA_INVARIANTS) | MATCHES
+# LMCache's flat tiers (spec/15 15.6) likewise, INV-FLAT-BYTES over what a retrieve served.
+PAGES = ("05-invariants.md", "12-ranks.md", "13-components.md", "13m-mamba.md",
+         "15-lmcache.md")
+MATCHES = {MATCH_INVARIANT, MAMBA_MATCH_INVARIANT, BYTES_INVARIANT}
+HYBRID = set(SWA_INVARIANTS) | set(MAMBA_INVARIANTS) | set(FLAT_INVARIANTS) | MATCHES
 
 
 def defined_ids() -> set[str]:
@@ -48,7 +52,7 @@ def test_every_spec_id_has_a_predicate_and_every_predicate_is_in_the_spec() -> N
 
 def test_every_spec_id_has_a_test_that_can_fail_on_it() -> None:
     assert defined_ids() == (set(MUTANTS) | set(RANK_MUTANTS) | set(SWA_MUTANTS)
-                             | set(MAMBA_MUTANTS) | MATCHES)
+                             | set(MAMBA_MUTANTS) | set(FLAT_MUTANTS) | MATCHES)
 
 
 def test_spec_mentions_only_defined_ids() -> None:

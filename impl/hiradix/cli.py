@@ -243,7 +243,7 @@ def hybrid_page_sizes(page_sizes: Sequence[int]) -> list[int]:
 def component_result(campaign: ComponentCampaign, version: str,
                      seconds: float) -> CampaignResult:
     return CampaignResult(
-        name=f"hybrid {campaign.components}", engine=campaign.engine, version=version,
+        name=f"{campaign.kind} {campaign.components}", engine=campaign.engine, version=version,
         seconds=seconds, examples=campaign.reached["examples"],
         steps=campaign.reached["checks"], configurations=campaign.configs,
         reached=counts(campaign.reached, campaign.reach), unreached=campaign.missed(),
@@ -254,7 +254,7 @@ def hybrid_failed(campaign: ComponentCampaign) -> int:
     """Print a hybrid campaign's failure (the shrunk steps and what broke); exit 1."""
     if sys.stderr.isatty():
         print(file=sys.stderr)
-    print(f"FAILED: hybrid {campaign.components} campaign, engine {campaign.engine}\n"
+    print(f"FAILED: {campaign.kind} {campaign.components} campaign, engine {campaign.engine}\n"
           f"{campaign.failure}", flush=True)
     return 1
 

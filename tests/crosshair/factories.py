@@ -27,10 +27,13 @@ from hiradix_model import (
     invariants,
     storage_choosers,
 )
+from hiradix_model import flat as checked_flat
 from hiradix_model import hybrid as checked_hybrid
 from hiradix_model import mamba as checked_mamba
 from hiradix_model import ops as checked_ops
 from hiradix_model.config import STRATEGIES, WRITE_POLICIES
+from hiradix_model.flat import FlatConfig, FlatState
+from hiradix_model.flat import invariants as flat_invariants
 from hiradix_model.hybrid import SwaConfig, SwaState
 from hiradix_model.hybrid import invariants as swa_invariants
 from hiradix_model.hybrid.state import swa_candidates
@@ -278,6 +281,30 @@ def make_mamba_state(factory: SymbolicFactory) -> MambaState:
     return deep_realize(state)
 
 
+def make_flat_state(factory: SymbolicFactory) -> FlatState:
+    """A reachable flat-tier state (spec/15 15.5): stores (writes landing in put order)
+    and pinned lookups, some released, a clear now and then."""
+    config = FlatConfig(chunk_tokens=_choice(factory, (1, 2), "_chunk"),
+                        layers=_choice(factory, (1, 2), "_layers"), cpu_objects=4,
+                        disk_objects=_choice(factory, (3, 4), "_disk"))
+    state = checked_flat.initial(config)
+    requests = factory(int, "_requests")
+    for index in range(MAX_REQUESTS):
+        if index >= requests:
+            break
+        key = make_key(factory)
+        if key.namespace is None and not checked_flat.store_races(state, key):
+            arrivals = checked_flat.in_put_order(state, key)
+            state = NoEnforce(checked_flat.store)(state, key, arrivals)[0]
+        if _choice(factory, (False, True), f"_pin{index}"):
+            state = NoEnforce(checked_flat.lookup)(state, key, True, f"l{index}")[0]
+            if _choice(factory, (False, True), f"_unpin{index}"):
+                state = NoEnforce(checked_flat.unpin)(state, f"l{index}")
+        if _choice(factory, (False, True), f"_clear{index}"):
+            state = NoEnforce(checked_flat.clear)(state)[0]
+    return deep_realize(state)
+
+
 def _traced(build):  # type: ignore[no-untyped-def]
     # CrossHair calls creators with tracing off; the builders branch on symbolic values,
     # which needs tracing back on.
@@ -320,6 +347,15 @@ def _concrete_mamba_check(state: MambaState) -> list[str]:
 _original_mamba_check = mamba_invariants.check
 
 
+def _concrete_flat_check(state: FlatState) -> list[str]:
+    """flat_invariants.check on the realized state, outside the tracer (as above)."""
+    with NoTracing():
+        return _original_flat_check(deep_realize(state))
+
+
+_original_flat_check = flat_invariants.check
+
+
 def register() -> None:
     register_patch(invariants.check, _concrete_check)
     register_type(Key, _traced(make_key))
@@ -328,3 +364,5 @@ def register() -> None:
     register_type(SwaState, _traced(make_swa_state))
     register_patch(mamba_invariants.check, _concrete_mamba_check)
     register_type(MambaState, _traced(make_mamba_state))
+    register_patch(flat_invariants.check, _concrete_flat_check)
+    register_type(FlatState, _traced(make_flat_state))

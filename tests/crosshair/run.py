@@ -37,6 +37,12 @@ MODULES = [
     "hiradix_model.mamba.match",
     "hiradix_model.mamba.locks",
     "hiradix_model.mamba.evict",
+    # LMCache's flat CPU and disk tiers (spec/15 15.5).
+    "hiradix_model.flat.store",
+    "hiradix_model.flat.lookup",
+    "hiradix_model.flat.retrieve",
+    "hiradix_model.flat.unpin",
+    "hiradix_model.flat.clear",
 ]
 
 

@@ -27,6 +27,7 @@ class ComponentCampaign:
     ones it did not)."""
 
     components: ClassVar[str]
+    kind: ClassVar[str] = "hybrid"  # how results and failures name the campaign
     reach: ClassVar[tuple[str, ...]]
     engine: str
     configs: int = 0

@@ -31,6 +31,7 @@ from hiradix.engines.catalog import (
     EngineError,
     cache_engine,
     factory,
+    flat_engine,
     lookup,
     mamba_engine,
     names,
@@ -48,5 +49,5 @@ from hiradix.engines.protocol import (
 
 __all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "OPERATIONS", "CacheEngine", "ComponentEngine",
            "Deferred", "Engine", "EngineAdapter", "EngineError", "EngineUnavailable",
-           "cache_engine", "factory", "lookup", "mamba_engine", "names", "probe",
+           "cache_engine", "factory", "flat_engine", "lookup", "mamba_engine", "names", "probe",
            "probe_engine", "scenario_space", "swa_engine", "unsupported"]

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # annotations only: the machines import this package's protoc
     from hiradix.engines.protocol import EngineAdapter
 
 ENTRY_POINT_GROUP = "hiradix.engines"
-Components = Literal["(FULL, SWA)", "(FULL, MAMBA)"]
+Components = Literal["(FULL, SWA)", "(FULL, MAMBA)", "(CPU, DISK)"]
 
 
 class EngineError(ValueError):
@@ -76,9 +76,10 @@ class CampaignRunner(Protocol):
 
 @dataclass(frozen=True)
 class ComponentEngine:
-    """An engine whose hybrid cache a component campaign drives: (FULL, SWA) by the
-    machine of spec/13, (FULL, MAMBA) by that of spec/13m. ``swa_engine`` and
-    ``mamba_engine`` make one from a builder of ``SwaEngine`` / ``MambaEngine``."""
+    """An engine a component campaign drives: a hybrid cache, (FULL, SWA) by the machine
+    of spec/13, (FULL, MAMBA) by that of spec/13m; or flat per-chunk tiers, (CPU, DISK),
+    by that of spec/15 15.5. ``swa_engine``, ``mamba_engine`` and ``flat_engine`` make one
+    from a builder of ``SwaEngine`` / ``MambaEngine`` / ``FlatEngine``."""
 
     name: str
     family: str
@@ -119,7 +120,8 @@ class _ComponentCampaign:
 
 
 _RUNNERS = {"(FULL, SWA)": Deferred("hiradix.conformance.hybrid.campaign", "run_campaign"),
-            "(FULL, MAMBA)": Deferred("hiradix.conformance.mamba.campaign", "run_campaign")}
+            "(FULL, MAMBA)": Deferred("hiradix.conformance.mamba.campaign", "run_campaign"),
+            "(CPU, DISK)": Deferred("hiradix.conformance.flat.campaign", "run_campaign")}
 
 
 def swa_engine(name: str, family: str, probe: Callable[[], str],
@@ -136,6 +138,15 @@ def mamba_engine(name: str, family: str, probe: Callable[[], str],
     (conformance.mamba.engine)."""
     return ComponentEngine(name, family, "(FULL, MAMBA)", probe,
                            _ComponentCampaign(_RUNNERS["(FULL, MAMBA)"], name, build),
+                           description)
+
+
+def flat_engine(name: str, family: str, probe: Callable[[], str],
+                build: Callable[..., Any], description: str = "") -> ComponentEngine:
+    """Flat per-chunk CPU and disk tiers: ``build(FlatConfig) -> FlatEngine``
+    (conformance.flat.engine); the campaign takes its page sizes as chunk sizes."""
+    return ComponentEngine(name, family, "(CPU, DISK)", probe,
+                           _ComponentCampaign(_RUNNERS["(CPU, DISK)"], name, build),
                            description)
 
 
@@ -192,6 +203,9 @@ BUILT_IN: dict[str, Engine] = {engine.name: engine for engine in (
       for policy in _MAMBA_HICACHE),
     ComponentEngine("vllm-mamba", "vllm", "(FULL, MAMBA)", Deferred(f"{_VL}.mamba", "probe"),
                     Deferred(f"{_VL}.mamba_machine", "run_vllm_mamba_campaign")),
+    flat_engine("lmcache", "lmcache", Deferred("hiradix.engines.lmcache.flat", "probe"),
+                Deferred("hiradix.engines.lmcache.flat", "build"),
+                "LMCacheEngine's CPU and disk tiers (spec/15)"),
 )}
 
 
