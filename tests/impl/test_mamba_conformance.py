@@ -75,7 +75,7 @@ def split_state_upward(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 PLANTED: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
-    "fork without copy": (fork_without_copy, r"after fork\(.*\n  state_kv: model"),
+    "fork without copy": (fork_without_copy, r"after fork\(.*\n +state_kv: model"),
     "evict locked states": (evict_locked_states, r"evict_states\(.* may not be taken now"),
     "state split upward": (split_state_upward, r"insert\(.*\) returned \(\d+, False\), "
                                                r"the model \(\d+, True\)"),
