@@ -104,9 +104,11 @@ def test_unified_storage_tier_refines_the_model(scenario: Scenario) -> None:
 REACHED = ("attach_storage", "detach_storage", "query_storage_hit_length",
            "prefetch_from_storage", "io_prefetch_query", "io_prefetch_fetch",
            "check_prefetch_progress", "io_storage_write", "drain_storage_queues",
-           # the asynchronous part of a prefetch (spec/09 9.10)
-           "prefetch issued", "issued prefetch ended by a poll before its hit drain",
-           "hit result of an ended prefetch drained")
+           # the asynchronous part of a prefetch (spec/09 9.10); a stale hit result's drain
+           # is reached by test_sglang_unified_stale_hit's campaign (DEV-S29): here, within
+           # 100 derandomized examples, it depended on the tests run before in the process
+           # (SGLang's global node ids), and a CI run missed it
+           "prefetch issued", "issued prefetch ended by a poll before its hit drain")
 
 
 def test_the_campaign_reaches_prefetch_fetch_backup_and_detach() -> None:

@@ -128,6 +128,14 @@ def make_machine(engine: str, scenario: Scenario,
         def attach_rule(self, settings: StorageSettings, go: int) -> None:
             if go:
                 return  # no DEV-S16 here: attach backfills the hashes of cached nodes
+            cache = self.engine.cache
+            if cache.ongoing_prefetch or cache.ongoing_backup:
+                # The server's guard: it attaches (and so changes the prefetch policy)
+                # only when is_fully_idle(), which needs no prefetch or backup live
+                # (0.5.20 scheduler.py:4886, :4860-4862). A policy changed under a live
+                # prefetch is beyond the server.
+                counts.ops["attach not issued: prefetches or backups live (server guard)"] += 1
+                return
             self.attach(settings, 0)
 
         @precondition(lambda self: self.attached())
