@@ -74,6 +74,16 @@ WRITE_BACK_MAPPED: Mapping[str, str] = {
 HI_OPS = RADIX_OPS | {"evict_host", "writing_check", "load_back", "loading_check"}
 
 
+# An insert passing one of the cache's own slots after a caller slot: `hiradix explore`
+# offers it, no scheduler makes it, every SGLang cache would free the cache's slot too.
+CACHE_SLOT_AFTER_CALLER_SLOT: dict[str, str] = {
+    "insert_cache_slot_after_caller_slot": "no scheduler passes one of the cache's own slots "
+                                           "after a slot of its own (DEV-24); SGLang frees "
+                                           "every slot past prev_prefix_len, the cache's "
+                                           "included",
+}
+
+
 @dataclass(frozen=True)
 class _Run:
     """The SGLang backups one insert issued: one spec run (DEV-7)."""
@@ -425,10 +435,7 @@ class SglangAdapter:
         self.avoid: Mapping[str, str] = {}
         self.inexpressible: Mapping[str, str] = {
             "counted_from_inside": "DEV-25: insert takes only chunked (all pages or none)",
-            "insert_cache_slot_after_caller_slot": "no scheduler passes one of the cache's "
-                                                   "own slots after a slot of its own "
-                                                   "(DEV-24); SGLang frees every slot past "
-                                                   "prev_prefix_len, the cache's included",
+            **CACHE_SLOT_AFTER_CALLER_SLOT,
         }
         # Backups issued by one insert form one spec run (DEV-7); loads remember their pages.
         self.runs: list[_Run] = []

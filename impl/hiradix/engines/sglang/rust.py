@@ -98,6 +98,7 @@ from hiradix.conformance.kv import patterns
 from hiradix.conformance.scenario import Scenario
 from hiradix.engines.protocol import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.engines.sglang.radix import (
+    CACHE_SLOT_AFTER_CALLER_SLOT,
     DTYPE,
     KV_LAYOUTS,
     LAYERS,
@@ -250,10 +251,7 @@ class SglangRustAdapter:
         self.inexpressible: Mapping[str, str] = {
             "counted_from_inside": "DEV-25: inserted_len inside the key is only checked on "
                                    "the Python tree core (spec/07r)",
-            "insert_cache_slot_after_caller_slot": "no scheduler passes one of the cache's "
-                                                   "own slots after a slot of its own "
-                                                   "(DEV-24); SGLang frees every slot past "
-                                                   "prev_prefix_len, the cache's included",
+            **CACHE_SLOT_AFTER_CALLER_SLOT,
         }
         self.receipts: dict[int, list[Any]] = {}
         self.freed_by_tree: set[int] = set()

@@ -44,6 +44,7 @@ from hiradix.conformance.abstraction import decode_kv
 from hiradix.conformance.scenario import Scenario
 from hiradix.engines.protocol import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.engines.sglang.radix import (
+    CACHE_SLOT_AFTER_CALLER_SLOT,
     DTYPE,
     HI_OPS,
     HOST_LAYOUTS,
@@ -367,10 +368,7 @@ class SglangUnifiedAdapter(SglangAdapter):
         self.inexpressible: Mapping[str, str] = {
             **({"counted_from_inside": "DEV-25: 0.5.20's insert takes only chunked"}
                if self.v20 else {}),
-            "insert_cache_slot_after_caller_slot": "no scheduler passes one of the cache's "
-                                                   "own slots after a slot of its own "
-                                                   "(DEV-24); SGLang frees every slot past "
-                                                   "prev_prefix_len, the cache's included",
+            **CACHE_SLOT_AFTER_CALLER_SLOT,
         }
         self.runs: list[_Run] = []
         self.loads: dict[int, tuple[int, tuple[Key, ...]]] = {}  # ack -> (seq, pages)
