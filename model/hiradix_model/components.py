@@ -53,15 +53,19 @@ class Locked(Protocol):
     def lock(self) -> int: ...
 
 
+def locks_taken_at(pages: Mapping[Key, Locked], page: Key, page_size: int) -> int:
+    """The locks taken at ``page``: its lock count less its cached children's."""
+    return pages[page].lock - sum(record.lock for key, record in pages.items()
+                                  if parent_page(key, page_size) == page)
+
+
 def require_lock_ends_at(pages: Mapping[Key, Locked], page: Key, page_size: int) -> int:
     """A release at ``page`` must release a lock taken there: ``page``'s locks less its
     cached children's (the locks taken at it) are at least 1; returns that count. (A
     release above the lock taken would leave a child locked more than its parent.)"""
-    below = sum(record.lock for key, record in pages.items()
-                if parent_page(key, page_size) == page)
-    taken = pages[page].lock - below
+    taken = locks_taken_at(pages, page, page_size)
     require(taken >= 1, "page", f"{page} holds {pages[page].lock} locks, its children "
-            f"{below}: no lock taken at page to release")
+            f"{pages[page].lock - taken}: no lock taken at page to release")
     return taken
 
 

@@ -37,6 +37,7 @@ from hiradix_model.flat import invariants as flat_invariants
 from hiradix_model.hybrid import SwaConfig, SwaState
 from hiradix_model.hybrid import invariants as swa_invariants
 from hiradix_model.hybrid.state import swa_candidates
+from hiradix_model.keys import page_keys
 from hiradix_model.mamba import MambaConfig, MambaState
 from hiradix_model.mamba import invariants as mamba_invariants
 from hiradix_model.mamba.state import state_candidates
@@ -188,8 +189,9 @@ def _storage_activity(factory: SymbolicFactory, state: State, now: int) -> State
     return ops.io_prefetch_fetch(state, "p", remaining)[0]
 
 
-def _swa_request(state: SwaState, key: Key, past: int, keep: bool) -> SwaState:
-    """A request as spec/13 13.4 runs it, taking the lowest free slots of each pool."""
+def _swa_request(state: SwaState, key: Key, past: int, keep: int) -> SwaState:
+    """A request as spec/13 13.4 runs it, taking the lowest free slots of each pool;
+    ``keep``: 1 holds it running, 2 also with its window released early."""
     ps = state.config.page_size
     match = hybrid.match_prefix(state, key)
     state = hybrid.inc_lock_ref(state, match.last_page)
@@ -204,13 +206,20 @@ def _swa_request(state: SwaState, key: Key, past: int, keep: bool) -> SwaState:
     if evicted > cached:
         state = hybrid.free_swa(state, full[:evicted - cached])
     slots = match.full_slots + full[:len(key.tokens) - cached]
-    state, _ = hybrid.insert(state, key, slots, evicted)
+    # A locked tombstone (its window released early) that heals keeps its full slots.
+    kept = frozenset(
+        k for k in page_keys(key, ps) if k in state.pages and not state.pages[k].live
+        and state.pages[k].lock and len(k.tokens) - ps >= max(evicted, cached))
+    state, _ = hybrid.insert(state, key, slots, evicted, kept)
     leftover = tuple(f for f in full if f in state.held)
     if leftover:
         state = hybrid.free(state, leftover)
     state = hybrid.dec_lock_ref(state, match.last_page, False)
     if keep:
-        state = hybrid.inc_lock_ref(state, hybrid.match_prefix(state, key).last_page)
+        page = hybrid.match_prefix(state, key).last_page
+        state = hybrid.inc_lock_ref(state, page)
+        if keep == 2:
+            state = hybrid.dec_swa_lock(state, page)
     return state
 
 
@@ -225,7 +234,7 @@ def make_swa_state(factory: SymbolicFactory) -> SwaState:
         if index >= requests:
             break
         past = _choice(factory, (0, 1, 2), f"_past{index}")
-        keep = _choice(factory, (False, True), f"_keep{index}")
+        keep = _choice(factory, (0, 1, 2), f"_keep{index}")
         state = _swa_request(state, make_key(factory), past, keep)
         candidates = sorted(swa_candidates(state), key=lambda k: (-len(k.tokens), k.tokens))
         if candidates and _choice(factory, (False, True), f"_evict{index}"):

@@ -301,6 +301,35 @@ def test_lock_window_splits_at_the_window_edge() -> None:
     assert all(v[2] == 0 for v in pages(cache).values())
 
 
+def test_each_lock_releases_its_window_once() -> None:
+    """Two locks at one node (13.3): each may release its window early once; a third
+    release, and releasing a lock that kept its window as if it had not, are refused
+    with nothing changed -- either would leave the window counts wrong for good."""
+    cache = make(page_size=1, window=2)
+    request(cache, (1, 2, 3))
+    node = cache.match_prefix((1, 2, 3)).last_node
+    cache.inc_lock_ref(node)
+    with pytest.raises(NotLocked) as raised:
+        cache.dec_lock_ref(node, True)
+    assert raised.value.argument == "swa_released"
+    cache.inc_lock_ref(node)
+    cache.dec_swa_lock(node)
+    cache.dec_swa_lock(node)
+    assert (node.anchored_locks, node.released_locks) == (2, 2)
+    before = snapshot(cache)
+    with pytest.raises(NotLocked) as raised:
+        cache.dec_swa_lock(node)
+    assert raised.value.argument == "node"
+    with pytest.raises(NotLocked) as raised:
+        cache.dec_lock_ref(node, False)
+    assert raised.value.argument == "swa_released"
+    assert snapshot(cache) == before and node.released_locks == 2
+    cache.dec_lock_ref(node, True)
+    cache.dec_lock_ref(node, True)
+    assert (node.anchored_locks, node.released_locks, node.lock_ref) == (0, 0, 0)
+    cache.check_invariants()
+
+
 def test_lock_refuses_a_window_with_a_tombstone() -> None:
     cache = make(page_size=1, window=2)
     request(cache, (1, 2), swa_evicted=1)
@@ -462,6 +491,19 @@ def test_check_invariants_names_the_broken_invariant() -> None:
     tombstone.swa_lock_ref = 0
     live = cache.node_at((1, 2))
     assert live is not None and live.swa is not None
+    live.released_locks = 1  # a window released by no lock taken there
+    with pytest.raises(InvariantViolation) as raised:
+        cache.check_invariants()
+    assert raised.value.spec_id == "INV-SWA-WINDOW-COUNT"
+    live.released_locks = 0
+    cache.inc_lock_ref(live)
+    cache.check_invariants()
+    live.swa_lock_ref += 1  # a window count no lock holds: its SWA KV pinned for good
+    with pytest.raises(InvariantViolation) as raised:
+        cache.check_invariants()
+    assert raised.value.spec_id == "INV-SWA-WINDOW-COUNT"
+    live.swa_lock_ref -= 1
+    cache.dec_lock_ref(live, False)
     cache.pools.swa.kv[0, 0, int(live.swa[0])] = 3.0  # the copies disagree
     with pytest.raises(InvariantViolation) as raised:
         cache.check_invariants()

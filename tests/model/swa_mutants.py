@@ -62,6 +62,12 @@ def tombstone_in_window(s: H.SwaState) -> H.SwaState:
     return replace(_page(s, _deep(11), swa=None), swa_free=s.swa_free | set(swa))
 
 
+def window_lock_leaked(s: H.SwaState) -> H.SwaState:
+    # A release that marked the lock's window released without unlocking it: the
+    # window stays locked, by no lock that still holds it (13.3 dec_swa_lock).
+    return replace(s, released={PATH: 1})
+
+
 SWA_MUTANTS: dict[str, Callable[[H.SwaState], H.SwaState]] = {
     "INV-SWA-TREE-WELL-FORMED": orphan,
     "INV-SWA-ONLY-WITH-FULL": swa_without_full,
@@ -69,4 +75,5 @@ SWA_MUTANTS: dict[str, Callable[[H.SwaState], H.SwaState]] = {
     "INV-SWA-SWA-POOL": swa_leak,
     "INV-SWA-CONTENT": wrong_kv,
     "INV-SWA-LOCKS": tombstone_in_window,
+    "INV-SWA-WINDOW-COUNT": window_lock_leaked,
 }

@@ -97,13 +97,39 @@ def test_full_eviction_lets_the_node_and_a_tombstone_chain_follow() -> None:
 
 def test_early_swa_release_then_full_release() -> None:
     s = H.dec_swa_lock(healthy(), PATH)
-    assert all(p.swa_lock == 0 for p in s.pages.values())
-    with pytest.raises(PreconditionError, match="no SWA lock"):
+    assert all(p.swa_lock == 0 for p in s.pages.values()) and s.released == {PATH: 1}
+    with pytest.raises(PreconditionError, match="still holds its window"):
         H.dec_swa_lock(s, PATH)
-    with pytest.raises(PreconditionError, match="no SWA lock"):
+    with pytest.raises(PreconditionError, match="still holds its window"):
         H.dec_lock_ref(s, PATH, False)
     s = H.dec_lock_ref(s, PATH, True)
-    assert all(p.lock == 0 for p in s.pages.values())
+    assert all(p.lock == 0 for p in s.pages.values()) and s.released == {}
+
+
+def test_a_lock_releases_its_window_once_even_beside_another() -> None:
+    """Two locks at one page: releasing one's window early twice would take the other's
+    window count (13.3); the second release is refused, and so is releasing the lock
+    that kept its window as if it had not."""
+    s = H.inc_lock_ref(healthy(), PATH)
+    assert s.pages[deep(12)].swa_lock == 2
+    s = H.dec_swa_lock(s, PATH)
+    s = H.dec_swa_lock(s, PATH)  # the second lock's window: fine, each once
+    with pytest.raises(PreconditionError) as error:
+        H.dec_swa_lock(s, PATH)
+    assert error.value.argument == "page"
+    s = H.dec_lock_ref(s, PATH, True)
+    s = H.dec_lock_ref(s, PATH, True)
+    assert s.released == {} and all(p.lock == 0 for p in s.pages.values())
+
+
+def test_a_lock_that_kept_its_window_cannot_be_released_as_if_it_had_not() -> None:
+    """dec_lock_ref(swa_released=True) of a lock that never released its window early
+    would leave that window locked for good (13.3): refused, the state unchanged."""
+    s = healthy()
+    with pytest.raises(PreconditionError) as error:
+        H.dec_lock_ref(s, PATH, True)
+    assert error.value.argument == "swa_released"
+    assert H.violations(s) == [] and s.pages[deep(12)].swa_lock == 1
 
 
 @pytest.mark.parametrize("call, argument", [

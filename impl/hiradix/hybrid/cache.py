@@ -281,17 +281,24 @@ class SwaCache:
             n.lock_ref += 1
 
     def dec_swa_lock(self, node: SwaNode) -> None:
-        """Release only the SWA part of one lock on ``node`` (13.3 ``dec_swa_lock``)."""
+        """Release only the SWA part of one lock taken at ``node``, once per lock (13.3
+        ``dec_swa_lock``)."""
         node = self._check_node(node)
         if node is self.root:
             return
+        if node.anchored_locks - node.released_locks <= 0:
+            # A second release of one lock would take a window count another lock holds.
+            raise NotLocked("node", f"{node!r} holds no lock taken there that still "
+                                    "holds its window")
         self._check_swa_locked(node)
         for n in self.tree.window_exact(node):
             n.swa_lock_ref -= 1
+        node.released_locks += 1
 
     def dec_lock_ref(self, node: SwaNode, swa_released: bool) -> None:
-        """Release one lock on ``node``: its path, and its window unless
-        ``swa_released`` (13.3 ``dec_lock_ref``)."""
+        """Release one lock taken at ``node``: its path, and its window unless
+        ``swa_released`` -- then it must be a lock whose window ``dec_swa_lock`` released
+        (13.3 ``dec_lock_ref``)."""
         node = self._check_node(node)
         if not isinstance(swa_released, bool):
             raise InvalidArgument("swa_released", f"must be a bool, got "
@@ -303,7 +310,16 @@ class SwaCache:
             raise NotLocked("node", f"{node!r} holds no lock taken there"
                                     + (" (its locks are held below it)" if node.lock_ref
                                        else ""))
-        if not swa_released:
+        if swa_released:
+            if node.released_locks <= 0:
+                # Its window would stay locked for good: no release could reach it.
+                raise NotLocked("swa_released", f"no lock taken at {node!r} released "
+                                                "its window (dec_swa_lock) first")
+            node.released_locks -= 1
+        else:
+            if node.anchored_locks - node.released_locks <= 0:
+                raise NotLocked("swa_released", f"every lock taken at {node!r} released "
+                                                "its window already: pass True")
             self._check_swa_locked(node)
             for n in self.tree.window_exact(node):
                 n.swa_lock_ref -= 1

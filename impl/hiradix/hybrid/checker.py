@@ -152,4 +152,28 @@ def violations(tree: SwaTree, pools: SwaPools) -> list[Violation]:
                                            f"its children's ({below})"))
         if node.swa_lock_ref > 0 and node.swa is None:
             found.append(("INV-SWA-LOCKS", f"{node!r}: a tombstone inside a locked window"))
+    found += [("INV-SWA-WINDOW-COUNT", d) for d in _window_counts(tree, nodes)]
     return found
+
+
+def _window_counts(tree: SwaTree, nodes: list[SwaNode]) -> Iterator[str]:
+    """INV-SWA-WINDOW-COUNT: each node's ``swa_lock_ref`` is the number of locks still
+    holding a window over it. A lock split its window's edge into a node boundary
+    (``window_exact``) and later splits keep it one, so each window is whole nodes."""
+    holding: dict[int, int] = {id(node): 0 for node in nodes}
+    for node in nodes:
+        if not 0 <= node.released_locks <= node.anchored_locks:
+            yield (f"{node!r}: {node.released_locks} locks released their window, "
+                   f"{node.anchored_locks} taken there")
+        held = node.anchored_locks - node.released_locks
+        if held <= 0:
+            continue
+        covered, outside = tree.window(node)
+        if outside:
+            yield f"{node!r}: its window's edge lies inside {covered[-1]!r}"
+        for n in covered:
+            holding[id(n)] += held
+    for node in nodes:
+        if node.swa_lock_ref != holding[id(node)]:
+            yield (f"{node!r}: swa_lock {node.swa_lock_ref}, but {holding[id(node)]} locks "
+                   "hold a window covering it")

@@ -17,8 +17,10 @@ PageKey = tuple[int, ...]  # a node's first page of tokens: its key in its paren
 class SwaNode:
     """A radix node: ``tokens`` (a page multiple), ``full`` slots, ``swa`` slots or None
     (a tombstone), ``lock_ref`` (path locks on it or below, spec/13 13.2 ``lock``),
-    ``swa_lock_ref`` (locks whose window covers it, ``swa_lock``) and ``anchored_locks``
-    (locks taken at it: what ``dec_lock_ref`` may release, in O(1), 13.3)."""
+    ``swa_lock_ref`` (locks whose window covers it, ``swa_lock``), ``anchored_locks``
+    (locks taken at it: what ``dec_lock_ref`` may release, in O(1), 13.3) and
+    ``released_locks`` (those of them whose window ``dec_swa_lock`` released, 13.2
+    ``released``)."""
 
     __slots__ = (
         "anchored_locks",
@@ -30,6 +32,7 @@ class SwaNode:
         "lock_ref",
         "owner",
         "parent",
+        "released_locks",
         "swa",
         "swa_lock_ref",
         "tokens",
@@ -48,6 +51,7 @@ class SwaNode:
         self.lock_ref = 0
         self.swa_lock_ref = 0
         self.anchored_locks = 0
+        self.released_locks = 0
         self.last_tick = tick
         # False once deleted: a caller's handle to it is then refused (ForeignNode).
         self.attached = True
@@ -83,9 +87,10 @@ def split(node: SwaNode, at: int, page_size: int, node_id: int) -> SwaNode:
 
     The original object keeps the *lower* part, so a caller's handle to a node (a locked
     match) keeps naming the same last page. Both parts keep every counter: a lock on the
-    node was one on each of its pages, and so is each part's. Except ``anchored_locks``:
-    a lock taken at the node was taken at its last page, which the lower part keeps, so
-    the upper part starts with none (its lock count is exactly its child's).
+    node was one on each of its pages, and so is each part's. Except ``anchored_locks``
+    and ``released_locks``: a lock taken at the node was taken at its last page, which
+    the lower part keeps, so the upper part starts with none (its lock count is exactly
+    its child's).
     """
     assert 0 < at < len(node.tokens) and at % page_size == 0, (at, len(node.tokens))
     parent = node.parent

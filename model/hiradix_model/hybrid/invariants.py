@@ -13,6 +13,7 @@ from hiradix_model.hybrid.state import (
     SwaState,
     owned_full,
     owned_swa,
+    window,
     window_live,
 )
 from hiradix_model.keys import Key, page_keys, parent_page
@@ -81,6 +82,31 @@ def locks(state: SwaState) -> Iterator[str]:
             yield f"{key}: locked {page.lock} times, its parent only {state.pages[parent].lock}"
         if page.swa_lock > 0 and not page.live:
             yield f"{key}: a tombstone inside a locked window (swa_lock {page.swa_lock})"
+
+
+@swa_invariant("INV-SWA-WINDOW-COUNT")
+def window_count(state: SwaState) -> Iterator[str]:
+    ps = state.config.page_size
+    below: dict[Key, int] = {}
+    for key, page in state.pages.items():
+        parent = parent_page(key, ps)
+        if parent is not None:
+            below[parent] = below.get(parent, 0) + page.lock
+    holding: dict[Key, int] = {key: 0 for key in state.pages}
+    for key, page in state.pages.items():
+        taken_here, released = page.lock - below.get(key, 0), state.released.get(key, 0)
+        if not 0 <= released <= taken_here:
+            yield f"{key}: {released} locks released their window, {taken_here} taken"
+        for covered in window(state, key):
+            if covered in holding:
+                holding[covered] += taken_here - released
+    for key in state.released:
+        if key not in state.pages:
+            yield f"{key}: released locks counted at a page not cached"
+    for key, page in state.pages.items():
+        if page.swa_lock != holding[key]:
+            yield (f"{key}: swa_lock {page.swa_lock}, but {holding[key]} locks hold a "
+                   "window covering it")
 
 
 def check(state: SwaState) -> list[str]:

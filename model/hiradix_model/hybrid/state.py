@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from hiradix_model.components import path_to_root
+from hiradix_model.components import locks_taken_at, path_to_root
 from hiradix_model.hybrid.config import SwaConfig
 from hiradix_model.keys import Key, parent_page
 
@@ -35,6 +35,8 @@ class SwaState:
     held: Mapping[int, int | None]  # caller-held pairs: full slot -> its SWA half or None
     full_kv: Mapping[int, Key]  # whose KV each full slot holds (absent: garbage)
     swa_kv: Mapping[int, Key]
+    # locks taken at a page whose SWA part was released early (absent: none), 13.2
+    released: Mapping[Key, int] = field(default_factory=dict)
 
 
 def initial(config: SwaConfig) -> SwaState:
@@ -53,6 +55,11 @@ def initial(config: SwaConfig) -> SwaState:
 def root_path(state: SwaState, page: Key) -> list[Key]:
     """``page`` and its ancestors, deepest first."""
     return path_to_root(page, state.config.page_size)
+
+
+def taken(state: SwaState, page: Key) -> int:
+    """The locks taken at ``page``: its lock count less its cached children's (13.2)."""
+    return locks_taken_at(state.pages, page, state.config.page_size)
 
 
 def window(state: SwaState, page: Key) -> list[Key]:
