@@ -19,6 +19,10 @@ from hiradix_model.hybrid import SwaConfig
 # What a campaign should reach; the summary lists the ones it did not.
 REACH: tuple[str, ...] = ("healed", "healed_keeping_full", "inserted_tombstones", "tombstoned",
          "evict_full", "evict_swa", "alloc_short", "release_swa", "finish")
+# Where the engine takes requests as its scheduler hands them over (ScheduledSwaEngine).
+REACH_SCHEDULED: tuple[str, ...] = ("admitted", "chunks", "chunk_tombstones", "decode_steps",
+                                    "window_slides", "finished_requests", "aborted",
+                                    "aborted_in_prefill", "retracted", "aborted_for_room")
 
 
 def hybrid_configs(page_sizes: Sequence[int]) -> list[SwaConfig]:
@@ -30,6 +34,7 @@ def hybrid_configs(page_sizes: Sequence[int]) -> list[SwaConfig]:
 class HybridCampaign(ComponentCampaign):
     components = "(FULL, SWA)"
     reach = REACH
+    reach_scheduled = REACH_SCHEDULED
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,

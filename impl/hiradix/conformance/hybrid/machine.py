@@ -217,6 +217,7 @@ def make_swa_machine(build: Build, config: SwaConfig,
                               else None)
             self.scheduled: list[Scheduled] = []
             seen["examples"] += 1
+            seen["scheduled_examples"] += self.scheduler is not None
             self.check("the initial state")
 
         def teardown(self) -> None:

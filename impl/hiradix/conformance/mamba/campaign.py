@@ -19,6 +19,11 @@ from hiradix_model.mamba import MambaConfig
 REACH: tuple[str, ...] = ("forks", "hits_on_a_state", "hits_past_the_state", "inserted_states",
          "refilled_state_tombstones", "state_tombstones", "evict_full", "evict_states",
          "state_short", "alloc_short", "release_state", "finish")
+# Where the engine takes requests as its scheduler hands them over (ScheduledMambaEngine).
+REACH_SCHEDULED: tuple[str, ...] = ("admitted", "admitted_on_a_copy", "chunks", "decode_steps",
+                                    "states_published", "states_already_cached",
+                                    "finished_requests", "aborted", "aborted_in_prefill",
+                                    "retracted", "aborted_for_room")
 
 
 def mamba_configs(page_sizes: Sequence[int]) -> list[MambaConfig]:
@@ -30,6 +35,7 @@ def mamba_configs(page_sizes: Sequence[int]) -> list[MambaConfig]:
 class MambaCampaign(ComponentCampaign):
     components = "(FULL, MAMBA)"
     reach = REACH
+    reach_scheduled = REACH_SCHEDULED
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,

@@ -154,6 +154,7 @@ def make_mamba_machine(build: Build, config: MambaConfig,
                               else None)
             self.scheduled: list[Scheduled] = []
             seen["examples"] += 1
+            seen["scheduled_examples"] += self.scheduler is not None
             self.check("the initial state")
 
         def teardown(self) -> None:
