@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, seed, settings
+from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from hiradix.conformance.hybrid.machine import Build, make_swa_machine
@@ -28,6 +28,20 @@ def run_until(machine: type[RuleBasedStateMachine], reached: Counter[str], goal:
         if reached[goal]:
             return
         seed(index)(get_state_machine_test(machine, settings=options))()
+
+
+def seeded_failure(machine: type[RuleBasedStateMachine], *, examples: int = 50,
+                   batches: int = 4) -> str:
+    """The first failure of seeded, unshrunk batches of ``examples`` examples of
+    ``machine`` (at most ``batches``), or "". Fixed seeds, as ``run_until``: an edit to
+    the machine's source does not move what a planted-bug test finds."""
+    options = settings(bounded(examples), derandomize=False, phases=[Phase.generate])
+    for index in range(batches):
+        try:
+            seed(index)(get_state_machine_test(machine, settings=options))()
+        except AssertionError as failure:
+            return str(failure)
+    return ""
 
 
 def heal_a_locked_tombstone(build: Build, reached: Counter[str] | None = None) -> None:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hybrid_support import bounded
-from hypothesis import Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hybrid_support import seeded_failure
 
 from hiradix.conformance.hybrid.campaign import run_campaign
 from hiradix.conformance.hybrid.machine import Build, make_swa_machine
@@ -179,9 +178,8 @@ def test_the_machine_finds_a_lost_swa_boundary_by_itself(
     the test short; ``hiradix check`` shrinks)."""
     insert_told_the_old_cursor(monkeypatch)
     config = SwaConfig(page_size=2, full_slots=20, swa_slots=10, window=3)
-    search = settings(bounded(100), phases=[Phase.generate])
-    with pytest.raises(AssertionError, match=r"(?s)after checkpoint\(.*swa_free: model"):
-        run_state_machine_as_test(make_swa_machine(build, config), settings=search)
+    found = seeded_failure(make_swa_machine(build, config))
+    assert re.search(r"(?s)after checkpoint\(.*swa_free: model", found), found or "not found"
 
 
 # -- (FULL, MAMBA): the same paths, where a checkpoint offers the tree a state -----------
@@ -312,7 +310,5 @@ def test_the_mamba_machine_finds_a_shared_state_by_itself(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Not scripted, unshrunk (as the SWA one)."""
     chunk_offers_the_requests_own_state(monkeypatch)
-    search = settings(bounded(100), phases=[Phase.generate])
-    with pytest.raises(AssertionError, match=r"not a copy"):
-        run_state_machine_as_test(make_mamba_machine(mamba.build, MAMBA_CONFIG),
-                                  settings=search)
+    found = seeded_failure(make_mamba_machine(mamba.build, MAMBA_CONFIG))
+    assert "not a copy" in found, found or "not found"
