@@ -3,21 +3,42 @@
 The component campaigns (spec/13 and 13m) share this loop: cycle through configurations,
 run ``batch`` examples of each configuration's machine, stop at the deadline, at an
 example count or at the first failure, and seed every batch under a seeded campaign so
-that it replays as far as its time reaches.
+that it replays as far as its time reaches. A failure is shrunk for at most
+``SHRINK_SECONDS`` (Hypothesis checks that bound between test cases), so that a failing
+campaign overruns its deadline by that much and one test case at most.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
 from hypothesis import HealthCheck, seed, settings
+from hypothesis.internal.conjecture import engine as hypothesis_engine
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+
+SHRINK_SECONDS = 30.0
+
+
+@contextlib.contextmanager
+def shrinking_bounded(seconds: float) -> Iterator[None]:
+    """Hypothesis's own bound on shrinking (``MAX_SHRINKING_SECONDS``, a module attribute
+    it documents as patchable, 300 s by default) set to ``seconds`` meanwhile."""
+    if not hasattr(hypothesis_engine, "MAX_SHRINKING_SECONDS"):
+        raise RuntimeError("hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS is "
+                           "gone: a failing campaign's shrinking would not be bounded")
+    before = hypothesis_engine.MAX_SHRINKING_SECONDS
+    hypothesis_engine.MAX_SHRINKING_SECONDS = seconds
+    try:
+        yield
+    finally:
+        hypothesis_engine.MAX_SHRINKING_SECONDS = before
 
 
 @dataclass
@@ -67,7 +88,8 @@ def run_batches(configs: Sequence[object],
                 machine: Callable[[object], type[RuleBasedStateMachine]],
                 reached: Counter[str], *, until: float, examples: int | None = None,
                 steps: int = 30, batch: int = 3, seeded: int | None = None,
-                clock: Callable[[], float] = time.monotonic) -> Batches:
+                clock: Callable[[], float] = time.monotonic,
+                shrink_seconds: float = SHRINK_SECONDS) -> Batches:
     """Run ``machine(config)`` for each configuration in turn, ``batch`` examples of
     ``steps`` steps at a time, until ``until`` (on ``clock``) or until ``reached``
     counts ``examples`` examples; stop at the first failure."""
@@ -85,7 +107,7 @@ def run_batches(configs: Sequence[object],
         if seeded is not None:
             test = seed(seeded * 1_000_003 + index)(test)
         try:
-            with with_reporter(report.append):
+            with with_reporter(report.append), shrinking_bounded(shrink_seconds):
                 test()
         except Exception as failure:  # the reporting boundary: a disagreement, a broken
             # invariant, a choice the model refuses or a crash of the engine is a finding.
