@@ -29,7 +29,7 @@ def test_a_failure_stops_the_campaign_and_its_shrinking_is_bounded() -> None:
     seen: list[float] = []
     before = hypothesis_engine.MAX_SHRINKING_SECONDS
     ran = run_batches([None], lambda config: failing_machine(seen), Counter(),
-                      until=float("inf"), examples=None, seeded=0, shrink_seconds=7.0)
+                      until=float("inf"), examples=None, seeded=0, shrink_seconds=7)
     assert ran.failure is not None and "drew 6" in ran.failure  # shrunk to the least
-    assert seen and set(seen) == {7.0}
+    assert seen and set(seen) == {7}
     assert before == hypothesis_engine.MAX_SHRINKING_SECONDS  # restored

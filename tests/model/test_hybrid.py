@@ -132,6 +132,44 @@ def test_a_lock_that_kept_its_window_cannot_be_released_as_if_it_had_not() -> No
     assert H.violations(s) == [] and s.pages[deep(12)].swa_lock == 1
 
 
+def two_paths() -> H.SwaState:
+    """Two unlocked live leaves, (1, 2) and (3,), nothing held."""
+    s = H.initial(CONFIG)
+    s = H.alloc(s, Key((1, 2)), 0, (0, 1), (0, 1))
+    s, _ = H.insert(s, Key((1, 2)), (0, 1), 0)
+    s = H.alloc(s, Key((3,)), 0, (2,), (2,))
+    s, _ = H.insert(s, Key((3,)), (2,), 0)
+    return s
+
+
+def test_an_allocations_eviction_runs_full_then_what_swa_still_lacks() -> None:
+    """13.3 evict_for_alloc: deleting the full leaf (3,) frees its SWA slot too, which
+    is all the SWA pool lacked: no SWA victim may follow, and a split that puts (3,) in
+    the SWA phase (a full phase short while a leaf was left) is refused."""
+    s = two_paths()
+    free_swa = len(s.swa_free)
+    after, freed = H.evict_for_alloc(s, 1, 1, [Key((3,))], 1)
+    assert freed == 1 and len(after.swa_free) == free_swa + 1 and Key((3,)) not in after.pages
+    with pytest.raises(IllegalChoice, match="after 0 were freed"):
+        H.evict_for_alloc(s, 1, 1, [Key((3,)), Key((1, 2))], 1)
+    with pytest.raises(IllegalChoice):
+        H.evict_for_alloc(s, 1, 1, [Key((3,))], 0)
+    # Only SWA short: tombstone the inner page or take a leaf; nothing from the full phase.
+    after, freed = H.evict_for_alloc(s, 0, 1, [Key((1,))], 0)
+    assert freed == 0 and not after.pages[Key((1,))].live
+
+
+@pytest.mark.parametrize("call, argument", [
+    (lambda s: H.evict_for_alloc(s, -1, 0, [], 0), "full_need"),
+    (lambda s: H.evict_for_alloc(s, 0, 1.5, [], 0), "swa_need"),
+    (lambda s: H.evict_for_alloc(s, 0, 0, [], 1), "split"),
+])
+def test_bad_allocation_evictions_name_the_argument(call, argument) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PreconditionError) as error:
+        call(two_paths())
+    assert error.value.argument == argument
+
+
 @pytest.mark.parametrize("call, argument", [
     (lambda s: H.alloc(s, PATH, 0, (0,), (5,)), "full"),
     (lambda s: H.alloc(s, PATH, 0, (13,), (5, 6)), "swa"),

@@ -23,11 +23,11 @@ from hypothesis.internal.conjecture import engine as hypothesis_engine
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
-SHRINK_SECONDS = 30.0
+SHRINK_SECONDS = 30
 
 
 @contextlib.contextmanager
-def shrinking_bounded(seconds: float) -> Iterator[None]:
+def shrinking_bounded(seconds: int) -> Iterator[None]:
     """Hypothesis's own bound on shrinking (``MAX_SHRINKING_SECONDS``, a module attribute
     it documents as patchable, 300 s by default) set to ``seconds`` meanwhile."""
     if not hasattr(hypothesis_engine, "MAX_SHRINKING_SECONDS"):
@@ -45,14 +45,14 @@ def shrinking_bounded(seconds: float) -> Iterator[None]:
 class ComponentCampaign:
     """A campaign of one component machine: what it reached and its failure, if any.
     Each kind names its components and what it should reach (the summary lists the
-    ones it did not): ``reach`` always, ``reach_scheduled`` where the engine also takes
-    requests as its server's scheduler hands them over (the machine counts those
-    examples as ``scheduled_examples``)."""
+    ones it did not): ``reach`` always, and each entry of ``reach_when`` where the
+    machine counted examples under its key (say, ``scheduled_examples``: the engine
+    also takes requests as its server's scheduler hands them over)."""
 
     components: ClassVar[str]
     kind: ClassVar[str] = "hybrid"  # how results and failures name the campaign
     reach: ClassVar[tuple[str, ...]]
-    reach_scheduled: ClassVar[tuple[str, ...]] = ()
+    reach_when: ClassVar[tuple[tuple[str, tuple[str, ...]], ...]] = ()
     engine: str
     configs: int = 0
     reached: Counter[str] = field(default_factory=Counter)
@@ -60,8 +60,8 @@ class ComponentCampaign:
 
     def expected(self) -> tuple[str, ...]:
         """What this campaign should have reached, given the engine it ran."""
-        scheduled = self.reach_scheduled if self.reached["scheduled_examples"] else ()
-        return self.reach + scheduled
+        return self.reach + tuple(name for gate, names in self.reach_when
+                                  if self.reached[gate] for name in names)
 
     def missed(self) -> list[str]:
         return [name for name in self.expected() if not self.reached[name]]
@@ -89,7 +89,7 @@ def run_batches(configs: Sequence[object],
                 reached: Counter[str], *, until: float, examples: int | None = None,
                 steps: int = 30, batch: int = 3, seeded: int | None = None,
                 clock: Callable[[], float] = time.monotonic,
-                shrink_seconds: float = SHRINK_SECONDS) -> Batches:
+                shrink_seconds: int = SHRINK_SECONDS) -> Batches:
     """Run ``machine(config)`` for each configuration in turn, ``batch`` examples of
     ``steps`` steps at a time, until ``until`` (on ``clock``) or until ``reached``
     counts ``examples`` examples; stop at the first failure."""

@@ -22,6 +22,8 @@ S = TypeVar("S")
 
 # Orders of chains tried before giving up: every permutation up to this many chains.
 MAX_PERMUTED = 6
+# Interleavings of single pages tried after the chain orders, up to this many pages.
+MAX_INTERLEAVED = 7
 
 
 def victim_chains(taken: Iterable[set[Key]], page_size: int) -> list[list[Key]]:
@@ -51,19 +53,50 @@ def victim_orders(chains: list[list[Key]]) -> Iterator[list[Key]]:
             yield [k for chain in order for k in chain]
 
 
+def interleaved_orders(chains: list[list[Key]]) -> Iterator[list[Key]]:
+    """``victim_orders``, then (up to ``MAX_INTERLEAVED`` pages) every order of the single
+    pages in which each chain's pages keep their order: what an engine walking two
+    components one after the other takes, where the second walk reaches a parent its
+    first walk's deletion uncovered between pages of another chain."""
+    seen: set[tuple[Key, ...]] = set()
+    for order in victim_orders(chains):
+        seen.add(tuple(order))
+        yield order
+    pages = [k for chain in chains for k in chain]
+    if len(pages) > MAX_INTERLEAVED:
+        return
+    place = {k: (c, i) for c, chain in enumerate(chains) for i, k in enumerate(chain)}
+    for order in itertools.permutations(pages):
+        if order not in seen and _keeps_chain_order(order, place):
+            yield list(order)
+
+
+def _keeps_chain_order(order: tuple[Key, ...], place: dict[Key, tuple[int, int]]) -> bool:
+    """Whether each chain's pages come in ``order`` as they do in the chain."""
+    taken: dict[int, int] = {}  # chain -> how many of its pages came so far
+    for page in order:
+        chain, index = place[page]
+        if index != taken.get(chain, 0):
+            return False
+        taken[chain] = index + 1
+    return True
+
+
 class NoOrder(AssertionError):
     """No order of the chains is one the model accepts and that leaves what the engine
     left: the eviction took what it may not, or too little, or too much."""
 
 
 def accepted_order(chains: list[list[Key]], evict: Callable[[list[Key]], tuple[S, int]],
-                   same: Callable[[S], bool]) -> tuple[S, int, list[Key]]:
+                   same: Callable[[S], bool],
+                   orders: Callable[[list[list[Key]]], Iterator[list[Key]]] = victim_orders,
+                   ) -> tuple[S, int, list[Key]]:
     """The first order of ``chains`` that ``evict`` (the model's eviction with those
     victims) accepts and whose result is ``same`` as the engine's: the model's state, what
     it freed, the victims. Else ``NoOrder`` with the model's objection to the chains as
     found."""
     objection: IllegalChoice | None = None
-    for victims in victim_orders(chains):
+    for victims in orders(chains):
         try:
             state, freed = evict(victims)
         except IllegalChoice as illegal:

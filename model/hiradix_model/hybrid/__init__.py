@@ -5,7 +5,7 @@ raises ``PreconditionError`` / ``IllegalChoice`` leaving the state as it was.
 """
 
 from hiradix_model.hybrid.config import SwaConfig
-from hiradix_model.hybrid.evict import evict_full, evict_swa
+from hiradix_model.hybrid.evict import evict_for_alloc, evict_full, evict_swa
 from hiradix_model.hybrid.insert import insert
 from hiradix_model.hybrid.invariants import (
     MATCH_INVARIANT,
@@ -30,6 +30,7 @@ __all__ = [
     "check",
     "dec_lock_ref",
     "dec_swa_lock",
+    "evict_for_alloc",
     "evict_full",
     "evict_swa",
     "free",

@@ -69,3 +69,25 @@ def evict_swa(state: SwaState, num_tokens: int, victims: Sequence[Key],
     return run_victims(state, num_tokens, victims, argument="num_tokens",
                        page_size=state.config.page_size, allowed=swa_candidates,
                        take=_take_swa, freed=_swa_freed, enough=enough)
+
+
+def evict_for_alloc(state: SwaState, full_need: int, swa_need: int, victims: Sequence[Key],
+                    split: int, *, enough: bool = True) -> tuple[SwaState, int]:
+    """An allocation's eviction: the first ``split`` victims as ``evict_full(full_need)``,
+    the rest as ``evict_swa`` of what the SWA pool still lacks of ``|swa_free| + swa_need``
+    (the target fixed at the call). Returns the state and the full tokens freed (13.3).
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    post: __return__[1] == len(__return__[0].full_free) - len(state.full_free)
+    raises: PreconditionError, IllegalChoice
+    """
+    require(isinstance(full_need, int) and full_need >= 0, "full_need", "must be an int >= 0")
+    require(isinstance(swa_need, int) and swa_need >= 0, "swa_need", "must be an int >= 0")
+    require(isinstance(split, int) and 0 <= split <= len(victims), "split",
+            f"must be an int in [0, {len(victims)}]")
+    swa_target = len(state.swa_free) + swa_need
+    after_full, _ = evict_full(state, full_need, victims[:split])
+    short = max(0, swa_target - len(after_full.swa_free))
+    after, _ = evict_swa(after_full, short, victims[split:], enough=enough)
+    return after, len(after.full_free) - len(state.full_free)

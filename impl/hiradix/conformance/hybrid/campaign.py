@@ -34,7 +34,8 @@ def hybrid_configs(page_sizes: Sequence[int]) -> list[SwaConfig]:
 class HybridCampaign(ComponentCampaign):
     components = "(FULL, SWA)"
     reach = REACH
-    reach_scheduled = REACH_SCHEDULED
+    reach_when = (("scheduled_examples", REACH_SCHEDULED),
+                  ("alloc_evicting_examples", ("evict_for_alloc",)))
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from hiradix_model import Key
 from hiradix_model.hybrid import SwaConfig
@@ -96,3 +96,12 @@ class SwaEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds."""
 
+
+@runtime_checkable
+class AllocEvictingSwaEngine(Protocol):
+    """An ``SwaEngine`` whose allocator evicts for itself when a pool is short: the call
+    the server makes (spec/13 13.3 ``evict_for_alloc``), driven where an engine has it."""
+
+    def evict_for_alloc(self, full_need: int, swa_need: int) -> int:
+        """Evict until each pool has ``need`` more free tokens than now, full first; the
+        full tokens freed."""

@@ -37,11 +37,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from hiradix.conformance.hybrid.abstraction import Codes, abstract, mapping_problems
-from hiradix.conformance.hybrid.engine import SwaEngine
-from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
+from hiradix.conformance.hybrid.engine import AllocEvictingSwaEngine, SwaEngine
+from hiradix.conformance.victims import (
+    NoOrder,
+    accepted_order,
+    diff,
+    interleaved_orders,
+    victim_chains,
+)
 from hiradix_model import Key
 from hiradix_model import hybrid as model
-from hiradix_model.errors import PreconditionError
+from hiradix_model.errors import IllegalChoice, PreconditionError
 from hiradix_model.hybrid import SwaConfig, SwaState
 from hiradix_model.keys import content_at
 
@@ -183,6 +189,12 @@ def state_problems(engine_state: SwaState, expected: SwaState, node_locks: bool)
     return problems
 
 
+def describe_pages(state: SwaState) -> str:
+    """Each cached page: its tokens, live or a tombstone (+/-), its locks."""
+    return " ".join(f"{k.tokens}{'+' if p.live else '-'}{p.lock}/{p.swa_lock}"
+                    for k, p in sorted(state.pages.items(), key=lambda i: i[0].tokens))
+
+
 def taken_pages(before: SwaState, after: SwaState) -> list[set[Key]]:
     """The pages an eviction tombstoned, and those it deleted."""
     return [{k for k, p in before.pages.items()
@@ -216,8 +228,11 @@ def make_swa_machine(build: Build, config: SwaConfig,
             self.scheduler = (self.engine if isinstance(self.engine, ScheduledSwaEngine)
                               else None)
             self.scheduled: list[Scheduled] = []
+            self.alloc_evicting = (self.engine if isinstance(self.engine, AllocEvictingSwaEngine)
+                                   else None)
             seen["examples"] += 1
             seen["scheduled_examples"] += self.scheduler is not None
+            seen["alloc_evicting_examples"] += self.alloc_evicting is not None
             self.check("the initial state")
 
         def teardown(self) -> None:
@@ -276,6 +291,60 @@ def make_swa_machine(build: Build, config: SwaConfig,
                        f"victims {[v.tokens for v in victims]}")
             assert freed == want, f"evict_{pool}({num_tokens}) reported {freed}, freed {want}"
 
+        def evict_joint(self, full_need: int, swa_need: int) -> None:
+            """The engine's own eviction for an allocation short of ``full_need`` full and
+            ``swa_need`` SWA tokens (13.3 ``evict_for_alloc``): some order of what it took,
+            and some split of it into the full phase and the SWA phase, must be legal."""
+            assert self.alloc_evicting is not None
+            before = self.model
+            freed = self.alloc_evicting.evict_for_alloc(full_need, swa_need)
+            after = abstract(self.engine.observe(), config, self.codes)
+            chains = victim_chains(taken_pages(before, after), config.page_size)
+
+            def same(state: SwaState) -> bool:
+                return same_pages(state, after)
+
+            def model_evict(victims: list[Key]) -> tuple[SwaState, int]:
+                objections: list[str] = []
+                accepted: tuple[SwaState, int] | None = None
+                for split in range(len(victims) + 1):
+                    try:
+                        accepted = model.evict_for_alloc(before, full_need, swa_need, victims,
+                                                         split, enough=not self.node_locks)
+                    except IllegalChoice as illegal:
+                        objections.append(f"split {split}: {illegal}")
+                        continue
+                    if same(accepted[0]):
+                        return accepted
+                if accepted is None:
+                    raise IllegalChoice("; ".join(objections))
+                return accepted
+
+            try:
+                state, want, victims = accepted_order(chains, model_evict, same,
+                                                      interleaved_orders)
+            except NoOrder as refused:
+                raise AssertionError(f"evict_for_alloc({full_need}, {swa_need}) = {freed} "
+                                     f"{refused}; before it: {describe_pages(before)}, "
+                                     f"{len(before.full_free)} full and "
+                                     f"{len(before.swa_free)} SWA slots free") from None
+            self.model = state
+            seen["evict_for_alloc"] += 1
+            seen["victims"] += len(victims)
+            self.check(f"evict_for_alloc({full_need}, {swa_need}) = {freed}, "
+                       f"victims {[v.tokens for v in victims]}")
+            assert freed == want, (f"evict_for_alloc({full_need}, {swa_need}) reported "
+                                   f"{freed} full tokens, freed {want}")
+
+        @precondition(lambda self: self.alloc_evicting is not None)
+        @rule(full_pages=st.integers(0, 3), swa_pages=st.integers(0, 3), now=st.integers(0, 2))
+        def evict_for_alloc(self, full_pages: int, swa_pages: int, now: int) -> None:
+            """An allocation's eviction outside any request of the machine's (the requests'
+            own allocations make it too). One draw in three: the rules it would crowd out
+            are rarer."""
+            if not now:
+                self.evict_joint(full_pages * config.page_size, swa_pages * config.page_size)
+
         @rule(pages=st.integers(1, 4))
         def evict_full(self, pages: int) -> None:
             self.evict("full", pages * config.page_size)
@@ -289,8 +358,12 @@ def make_swa_machine(build: Build, config: SwaConfig,
             full = self.engine.alloc(num_tokens)
             if full is None:
                 seen["alloc_short"] += 1
-                self.evict("full", num_tokens)
-                self.evict("swa", num_tokens)
+                if self.alloc_evicting is not None:  # as the server's allocator does
+                    self.evict_joint(max(0, num_tokens - len(self.model.full_free)),
+                                     max(0, num_tokens - len(self.model.swa_free)))
+                else:
+                    self.evict("full", num_tokens)
+                    self.evict("swa", num_tokens)
                 full = self.engine.alloc(num_tokens)
             return full
 

@@ -35,7 +35,7 @@ def mamba_configs(page_sizes: Sequence[int]) -> list[MambaConfig]:
 class MambaCampaign(ComponentCampaign):
     components = "(FULL, MAMBA)"
     reach = REACH
-    reach_scheduled = REACH_SCHEDULED
+    reach_when = (("scheduled_examples", REACH_SCHEDULED),)
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,

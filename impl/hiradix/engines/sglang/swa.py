@@ -664,6 +664,15 @@ class SglangSwaAdapter:
         self._settle()
         return int(got.swa_num_tokens_evicted)
 
+    def evict_for_alloc(self, full_need: int, swa_need: int) -> int:
+        # What the server's allocator calls when a pool is short (allocator/swa.py:208-218
+        # evict_to_free_tokens): one walk per component, full first, each to its target.
+        self._tick()
+        got = self.cache.evict_for_alloc(
+            self.m["base"].EvictParams(num_tokens=full_need, swa_num_tokens=swa_need))
+        self._settle()
+        return int(got.num_tokens_evicted)
+
     # -- request-level calls (chunked prefill, decode, finish) ----------------------------
     # The server does not call ``insert`` for a request: it publishes the request's row
     # with ``checkpoint`` (common.py ``checkpoint_kv_cache`` per chunk,
