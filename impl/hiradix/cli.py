@@ -16,7 +16,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from unittest import SkipTest
 
 import torch
@@ -64,6 +64,7 @@ from hiradix.engines import (
     cache_engine,
     lookup,
     scenario_space,
+    server_space,
 )
 from hiradix.policies import STRATEGIES, WRITE_POLICIES
 from hiradix_model import initial, trace
@@ -96,10 +97,14 @@ STORAGE_NAMES = ("none", "memory", "file")  # --storage's spelling of STORAGE
 
 def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Sequence[str],
            engine: str, device: str,
-           storage: Sequence[str] = STORAGE_NAMES) -> list[Scenario]:
-    """Every combination the engine takes, in an order that varies every axis early;
-    ``storage`` names the tiers asked for (ours only)."""
+           storage: Sequence[str] = STORAGE_NAMES, beyond_server: bool = False
+           ) -> list[Scenario]:
+    """Every combination the engine takes -- and, unless ``beyond_server``, its own server
+    can run -- in an order that varies every axis early; ``storage`` names the tiers
+    asked for (ours only)."""
     space = {} if engine in COPY_ENGINES else scenario_space(engine)
+    if not beyond_server:
+        space = {**space, **server_values(engine, space)}
     layouts = space.get("host_layout", ("layer_first", "page_first"))
     kinds = space.get("kv_layout", ("mha", "mla"))
     # The storage tier is ours only: an engine's tier would need an adapter of its own.
@@ -116,6 +121,23 @@ def matrix(page_sizes: Sequence[int], policies: Sequence[str], strategies: Seque
                      host_layout=host, kv_layout=kv, engine=copies, device=device,  # type: ignore[arg-type]
                      storage=tier)  # type: ignore[arg-type]
             for ps, policy, strategy, host, kv, tier in combos]
+
+
+def server_values(engine: str, space: Mapping[str, tuple[object, ...]]
+                         ) -> dict[str, tuple[object, ...]]:
+    """``space`` narrowed, axis by axis, to what the engine's server can run."""
+    server = {} if engine in COPY_ENGINES else server_space(engine)
+    return {axis: tuple(v for v in space.get(axis, values) if v in values)
+            for axis, values in server.items()}
+
+
+def outside_server(args: argparse.Namespace) -> list[str]:
+    """The strategies asked for that the engine's server does not take (not run unless
+    ``--beyond-server``): one line's worth for the summary."""
+    if args.beyond_server or args.engine in COPY_ENGINES:
+        return []
+    server = server_space(args.engine).get("eviction")
+    return [] if server is None else [s for s in args.strategies if s not in server]
 
 
 def machine_for(engine: str, scenario: Scenario, tally: Tally,
@@ -311,7 +333,7 @@ def run(args: argparse.Namespace, results: CheckResults) -> int:
     if args.component:
         return run_hybrid(args, results)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
-                       args.device, args.storage)
+                       args.device, args.storage, args.beyond_server)
     tally = Tally()
     covered: set[Scenario] = set()
     started = time.monotonic()
@@ -446,6 +468,10 @@ def run(args: argparse.Namespace, results: CheckResults) -> int:
     print(mamba.describe() if mamba is not None else
           f"hybrid (FULL, MAMBA): not run for engine {args.engine} (spec/13m not exercised; "
           "--engine ours-mamba or sglang-mamba runs it)", flush=True)
+    not_run = outside_server(args)
+    if not_run:
+        print(f"eviction strategies not run: {', '.join(not_run)} (the engine's server does "
+              "not take them, spec/04 4.4; --beyond-server runs them)", flush=True)
     missed = unreached(tally, covered, args.engine)
     if hybrid is not None:
         missed += [f"hybrid {name}" for name in hybrid.missed()]
@@ -826,7 +852,7 @@ def validated(args: argparse.Namespace) -> argparse.Namespace:
             args = replace_namespace(args, page_sizes=[1, 2, 4])
     args = replace_namespace(args, version=version, component=False)
     scenarios = matrix(args.page_sizes, args.policies, args.strategies, args.engine,
-                       args.device, args.storage)
+                       args.device, args.storage, args.beyond_server)
     if not scenarios:
         raise UsageError(f"--engine {args.engine}: takes none of the configurations asked "
                          f"for ({scenario_space(args.engine)})")

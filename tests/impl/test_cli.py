@@ -240,3 +240,22 @@ def test_the_main_job_runs_ranks_and_fails_on_ranks_that_decide_alone(
     assert "INV-RANKS-CONSENSUS" in out, out  # each rank kept its own proposal
     exec(compile(out.split("Reproducer:\n")[1], "reproducer", "exec"), {})
     assert "0 RankFailure" in capsys.readouterr().out  # the printed run replays the failure
+
+
+def test_sglang_campaigns_keep_to_the_strategies_its_server_takes() -> None:
+    """spec/04 4.4: SGLang's server takes lru, lfu, slru and priority; the other strategies
+    its caches implement run only with --beyond-server, and the summary says so."""
+    from hiradix_model.config import STRATEGIES
+
+    narrowed = cli.server_values("sglang", {"eviction": STRATEGIES})
+    assert set(narrowed) == {"eviction"}
+    assert set(narrowed["eviction"]) == {"lru", "lfu", "slru", "priority"}
+    # An adapter's own narrower space stays narrower (the Rust core has no slru).
+    assert cli.server_values("sglang-unified-rust", {"eviction": ("lru", "fifo")}) == {
+        "eviction": ("lru",)}
+    assert cli.server_values("vllm", {}) == {}  # no server restriction declared
+    asked = cli.argparse.Namespace(engine="sglang", strategies=list(STRATEGIES),
+                                   beyond_server=False)
+    assert cli.outside_server(asked) == ["fifo", "mru", "filo"]
+    beyond = cli.argparse.Namespace(**{**vars(asked), "beyond_server": True})
+    assert cli.outside_server(beyond) == []

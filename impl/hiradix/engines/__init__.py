@@ -37,6 +37,7 @@ from hiradix.engines.catalog import (
     names,
     probe,
     scenario_space,
+    server_space,
     swa_engine,
 )
 from hiradix.engines.protocol import (
@@ -50,4 +51,4 @@ from hiradix.engines.protocol import (
 __all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "OPERATIONS", "CacheEngine", "ComponentEngine",
            "Deferred", "Engine", "EngineAdapter", "EngineError", "EngineUnavailable",
            "cache_engine", "factory", "flat_engine", "lookup", "mamba_engine", "names", "probe",
-           "probe_engine", "scenario_space", "swa_engine", "unsupported"]
+           "probe_engine", "scenario_space", "server_space", "swa_engine", "unsupported"]

@@ -55,6 +55,9 @@ class CacheEngine:
     - ``scenario_space()``: the configuration values the adapter takes, per
       ``Scenario`` field (a field absent: any value).
     - ``machine(scenario, tally)``: a state machine class of the engine's own, or None.
+    - ``server_space()``: the configuration values the engine's own server can run, per
+      ``Scenario`` field (a field absent: any the adapter takes). Campaigns keep to them
+      unless ``--beyond-server``, so that what they report is reachable from the server.
     """
 
     name: str
@@ -64,6 +67,7 @@ class CacheEngine:
     scenario_space: Callable[[], Mapping[str, tuple[object, ...]]] = _no_constraints
     machine: Callable[[Scenario, Tally | None], type[RuleBasedStateMachine]] | None = None
     description: str = ""
+    server_space: Callable[[], Mapping[str, tuple[object, ...]]] = _no_constraints
 
 
 class CampaignRunner(Protocol):
@@ -153,11 +157,15 @@ def flat_engine(name: str, family: str, probe: Callable[[], str],
 def _cache(name: str, family: str, module: str, machine: str | None = None,
            description: str = "") -> CacheEngine:
     """A built-in engine whose module has ``probe``, ``factory`` and ``scenario_space``
-    taking the engine's name first (one module serves several names)."""
+    taking the engine's name first (one module serves several names). SGLang's server
+    takes only some of the eviction strategies its caches implement."""
+    server = (Deferred("hiradix.engines.sglang", "server_space") if family == "sglang"
+              else _no_constraints)
     return CacheEngine(
         name, family, Deferred(module, "probe", (name,)), Deferred(module, "factory", (name,)),
         Deferred(module, "scenario_space", (name,)),
-        None if machine is None else Deferred(machine, "make_machine", (name,)), description)
+        None if machine is None else Deferred(machine, "make_machine", (name,)), description,
+        server)
 
 
 _SG, _VL, _OURS = "hiradix.engines.sglang", "hiradix.engines.vllm", "hiradix.engines.ours"
@@ -283,4 +291,9 @@ def factory(name: str, scenario: Scenario) -> Callable[[], EngineAdapter]:
 def scenario_space(name: str) -> dict[str, tuple[object, ...]]:
     """The scenario values engine ``name``'s adapter takes (an axis absent: any value)."""
     return dict(cache_engine(name).scenario_space())
+
+
+def server_space(name: str) -> dict[str, tuple[object, ...]]:
+    """The scenario values engine ``name``'s own server can run (an axis absent: any)."""
+    return dict(cache_engine(name).server_space())
 
