@@ -312,3 +312,38 @@ def test_the_mamba_machine_finds_a_shared_state_by_itself(
     chunk_offers_the_requests_own_state(monkeypatch)
     found = seeded_failure(make_mamba_machine(mamba.build, MAMBA_CONFIG))
     assert "not a copy" in found, found or "not found"
+
+
+def retracted_for_room(reached: Counter[str]) -> None:
+    """Three requests of five tokens, each prefilled to two and published, fill seven of
+    ten full slots; the first decodes to its end, the second then finds no room (every
+    cached page is a running request's) and is retracted -- ``release_kv_cache`` without
+    a checkpoint, schedule_batch.py:2389 -- and admitted again on what it computed. The
+    campaign's search rarely gets there (its summary says so), hence the script."""
+    config = MambaConfig(page_size=1, full_slots=10, state_slots=8)
+    state = make_mamba_machine(mamba.build, config, reached)()
+    try:
+        for prompt, tail in (((1, 2), (3, 3, 3)), ((2, 1), (1, 1, 1)), ((3, 2), (2, 2, 2))):
+            state.admit(prompt, tail)
+            request = state.scheduled[-1]
+            assert state.grow(request, len(prompt)) and state.state_room()
+            state.publish(request, finish=False)
+        state.decode_steps(0, 3)
+        state.decode_steps(1, 3)
+    finally:
+        state.teardown()
+
+
+def test_a_mamba_request_short_of_room_is_retracted_and_admitted_again() -> None:
+    reached: Counter[str] = Counter()
+    retracted_for_room(reached)
+    assert reached["retracted"] == 1 and reached["admitted"] == 4, reached
+    assert reached["admitted_on_a_copy"] == 1, reached  # on its own published prefix
+
+
+def test_a_retraction_that_keeps_the_requests_state_fails_the_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug of the abort path (the same release call) on the retraction."""
+    abort_keeps_the_requests_state(monkeypatch)
+    with pytest.raises(AssertionError, match=r"still holds state"):
+        retracted_for_room(Counter())

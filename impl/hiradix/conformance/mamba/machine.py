@@ -459,6 +459,11 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             (``retract_decode`` -> ``release_req``, schedule_batch.py:2389), which the
             scheduler re-admits later."""
             index = pick(data, self.scheduled, lambda s: s.prompt_len <= s.end < len(s.tokens))
+            self.decode_steps(index, steps)
+
+        def decode_steps(self, index: int, steps: int) -> None:
+            """Up to ``steps`` decode steps of scheduled request ``index``; short of room,
+            it is retracted and admitted again (what it computed is its prompt now)."""
             s = self.scheduled[index]
             for _ in range(steps):
                 if s.end >= len(s.tokens):
