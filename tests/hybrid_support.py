@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+from pytest import MonkeyPatch
 
 from hiradix.conformance.hybrid.machine import Build, make_swa_machine
 from hiradix_model.hybrid import SwaConfig
@@ -55,3 +58,35 @@ def heal_a_locked_tombstone(build: Build, reached: Counter[str] | None = None) -
         state.run_request((1, 1), past=0, keep=False)
     finally:
         state.teardown()
+
+
+def joint_eviction(build: Build, reached: Counter[str]) -> None:
+    """The server allocator's eviction (spec/13 13.3), scripted: two cached live leaves,
+    (1, 2) and (3, 4) at page size 1; the allocator is short of one full and one SWA
+    token. Deleting one leaf frees a slot of each pool, which meets both targets: the SWA
+    phase must take nothing."""
+    config = SwaConfig(page_size=1, full_slots=6, swa_slots=4, window=2)
+    state = make_swa_machine(build, config, reached)()
+    try:
+        state.run_request((1, 2), past=0, keep=False)
+        state.run_request((3, 4), past=0, keep=False)
+        swa_free = len(state.model.swa_free)
+        state.evict_joint(1, 1)
+        assert len(state.model.pages) == 2, state.model.pages  # one leaf of two pages went
+        assert len(state.model.swa_free) == swa_free + 2
+    finally:
+        state.teardown()
+
+
+def plant_full_target_misread(monkeypatch: MonkeyPatch) -> None:
+    """A private copy of SGLang 0.5.23 whose allocation eviction reads the full pool's
+    available size as 0 (Python, above either tree core): the full walk never sees its
+    target met and takes every evictable leaf."""
+    urc = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
+    available = urc.UnifiedRadixCache._component_available_size
+    full = urc.ComponentType.FULL
+
+    def misread(self: Any, component_type: Any) -> int:
+        return 0 if component_type == full else int(available(self, component_type))
+
+    monkeypatch.setattr(urc.UnifiedRadixCache, "_component_available_size", misread)

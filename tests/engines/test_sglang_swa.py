@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hybrid_support import bounded, heal_a_locked_tombstone, run_until
+from hybrid_support import (
+    bounded,
+    heal_a_locked_tombstone,
+    joint_eviction,
+    plant_full_target_misread,
+    run_until,
+)
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.hybrid.campaign import hybrid_configs
@@ -407,40 +413,15 @@ def test_sglang_with_hicache_refines_the_model(config: SwaConfig, policy: WriteP
 
 # -- evict_for_alloc: the eviction the server's allocator makes (spec/13 13.3) ---------------
 
-def joint_eviction(reached: Counter[str]) -> None:
-    """Two cached live leaves, (1, 2) and (3, 4) at page size 1; the allocator is short
-    of one full and one SWA token. Deleting one leaf frees a slot of each pool, which
-    meets both targets: the SWA phase must take nothing."""
-    config = SwaConfig(page_size=1, full_slots=6, swa_slots=4, window=2)
-    state = make_swa_machine(build, config, reached)()
-    try:
-        state.run_request((1, 2), past=0, keep=False)
-        state.run_request((3, 4), past=0, keep=False)
-        swa_free = len(state.model.swa_free)
-        state.evict_joint(1, 1)
-        assert len(state.model.pages) == 2, state.model.pages  # one leaf of two pages went
-        assert len(state.model.swa_free) == swa_free + 2
-    finally:
-        state.teardown()
-
-
 def test_an_allocations_eviction_stops_each_pool_at_its_target() -> None:
     reached: Counter[str] = Counter()
-    joint_eviction(reached)
+    joint_eviction(build, reached)
     assert reached["evict_for_alloc"] == 1
 
 
 def test_a_planted_target_misread_in_evict_for_alloc_fails_the_machine(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A private copy whose eviction reads the full pool's available size as 0: the full
-    walk never sees its target met and takes every evictable leaf."""
-    urc = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
-    available = urc.UnifiedRadixCache._component_available_size
-    full = urc.ComponentType.FULL
-
-    def misread(self: Any, component_type: Any) -> int:
-        return 0 if component_type == full else int(available(self, component_type))
-
-    monkeypatch.setattr(urc.UnifiedRadixCache, "_component_available_size", misread)
+    """The full walk takes every evictable leaf (hybrid_support)."""
+    plant_full_target_misread(monkeypatch)
     with pytest.raises(AssertionError, match=r"evict_for_alloc\(1, 1\) = 4 took"):
-        joint_eviction(Counter())
+        joint_eviction(build, Counter())

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hybrid_support import bounded
+from hybrid_support import bounded, joint_eviction, plant_full_target_misread
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.hybrid.campaign import hybrid_configs
@@ -155,3 +155,19 @@ def test_the_rust_core_refines_the_model(config: SwaConfig) -> None:
     reached: Counter[str] = Counter()
     run_state_machine_as_test(make_swa_machine(build, config, reached), settings=bounded(15))
     assert reached["checks"] > reached["examples"]
+
+
+def test_an_allocations_eviction_on_the_rust_core_stops_each_pool_at_its_target() -> None:
+    """The server allocator's eviction (spec/13 13.3) through the Rust core, the
+    reference core given the same call and agreeing."""
+    reached: Counter[str] = Counter()
+    joint_eviction(build, reached)
+    assert reached["evict_for_alloc"] == 1
+
+
+def test_a_planted_target_misread_fails_the_rust_core_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The misread is Python shared by both cores, so they agree; the model refuses it."""
+    plant_full_target_misread(monkeypatch)
+    with pytest.raises(AssertionError, match=r"evict_for_alloc\(1, 1\) = 4 took"):
+        joint_eviction(build, Counter())

@@ -344,6 +344,17 @@ class SglangSwaRustAdapter:
         self.agree(f"evict_swa({num_tokens})", freed, self.reference.evict_swa(num_tokens))
         return freed
 
+    def evict_for_alloc(self, full_need: int, swa_need: int) -> int:
+        # The server allocator's call (spec/13 13.3): UnifiedRadixCache.evict_for_alloc is
+        # Python over the tree core, so the Rust core's walk answers it; the reference
+        # takes the same call so that its recency and SWA locks stay the Rust core's.
+        got = self.cache.evict_for_alloc(
+            self.m["base"].EvictParams(num_tokens=full_need, swa_num_tokens=swa_need))
+        freed = int(got.num_tokens_evicted)
+        self.agree(f"evict_for_alloc({full_need}, {swa_need})", freed,
+                   self.reference.evict_for_alloc(full_need, swa_need))
+        return freed
+
     # -- the view ---------------------------------------------------------------------------
 
     def observe(self) -> SwaView:
