@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from hybrid_support import bounded
+from hybrid_support import bounded, run_until, seeded_failure
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -440,7 +441,9 @@ def test_a_bug_planted_in_sglang_shows_in_the_view_and_its_own_check(
 MACHINE_SEES = {
     "state left on the split parent": "holds no state",  # INV-MAMBA-MATCH-STATE
     "refill dropped": "mamba pool balance",
-    "existing state overwritten": r"returned \(\d+, True\), the model \(\d+, False\)",
+    # The insert says it took the state the model keeps: seen on insert or on a release.
+    "existing state overwritten": (r"returned \(\d+, True\), the model \(\d+, False\)"
+                                   r"|taken True: the model's insert took the state: False"),
     "lock counted twice": "INV-MAMBA-LOCKS",
 }
 
@@ -455,3 +458,36 @@ def test_a_bug_planted_in_sglang_fails_the_machine(name: str,
     quick = settings(bounded(100), phases=(Phase.explicit, Phase.generate))
     with pytest.raises(AssertionError, match=MACHINE_SEES[name]):
         run_state_machine_as_test(make_mamba_machine(build, config), settings=quick)
+
+
+# -- evict_for_alloc: the eviction the server's allocators make (spec/13m 13m.3) ----------
+
+def test_allocations_short_of_room_evict_through_the_servers_call() -> None:
+    """A campaign whose allocations come back short evicts each pool's shortfall through
+    ``evict_for_alloc``, judged as ``evict_full`` / ``evict_states`` of the shortfall."""
+    reached: Counter[str] = Counter()
+    machine = make_mamba_machine(build, MambaConfig(page_size=1, full_slots=10,
+                                                    state_slots=3), reached)
+    run_until(machine, reached, "evict_for_alloc_full", batches=6)
+    assert reached["evict_for_alloc_full"] and reached["evict_for_alloc_states"], reached
+    assert reached["evict_for_alloc_full"] == reached["alloc_short"]
+
+
+def test_a_planted_shortfall_off_by_one_fails_the_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private copy whose ``evict_for_alloc`` asks the state walk for one state more
+    than the allocator's shortfall: a second state goes where one was enough."""
+    urc = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
+    base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+    original = urc.UnifiedRadixCache.evict_for_alloc
+
+    def one_more(self: Any, params: Any, **kwargs: Any) -> Any:
+        if params.mamba_num:
+            params = base.EvictParams(num_tokens=params.num_tokens,
+                                      mamba_num=params.mamba_num + 1)
+        return original(self, params, **kwargs)
+
+    monkeypatch.setattr(urc.UnifiedRadixCache, "evict_for_alloc", one_more)
+    machine = make_mamba_machine(build, MambaConfig(page_size=1, full_slots=10,
+                                                    state_slots=3))
+    assert re.search(r"evict_for_alloc\(states short 1\) = 2", seeded_failure(machine))

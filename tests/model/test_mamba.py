@@ -89,6 +89,25 @@ def test_state_eviction_takes_the_rest_of_a_leaf_node() -> None:
     assert freed == 1 and deep(6) not in s.pages and PATH not in s.pages
 
 
+def test_an_allocations_eviction_is_the_eviction_of_its_one_short_pool() -> None:
+    s = M.dec_lock_ref(healthy(), PATH, False)
+    assert M.evict_for_alloc(s, 4, 0, [PATH, deep(6)]) == M.evict_full(s, 4, [PATH, deep(6)])
+    assert M.evict_for_alloc(s, 0, 1, [BRANCH]) == M.evict_states(s, 1, [BRANCH])
+    with pytest.raises(IllegalChoice):
+        M.evict_for_alloc(s, 0, 1, [BRANCH, PATH])  # one state was enough
+
+
+@pytest.mark.parametrize("full_need, state_need, argument", [
+    (0, 0, "full_need"), (2, 1, "full_need"), (-1, 1, "full_need"), (True, 0, "full_need"),
+    (0, 1.0, "state_need"),
+])
+def test_an_allocations_eviction_names_a_bad_need(full_need: object, state_need: object,
+                                                  argument: str) -> None:
+    with pytest.raises(PreconditionError) as refused:
+        M.evict_for_alloc(healthy(), full_need, state_need, [])  # type: ignore[arg-type]
+    assert refused.value.argument == argument
+
+
 def test_fork_copies_a_cached_state_into_a_held_slot() -> None:
     s = M.free_state(healthy(), 3)
     s = M.fork(s, deep(4), 3)

@@ -5,7 +5,7 @@ raises ``PreconditionError`` / ``IllegalChoice`` leaving the state as it was.
 """
 
 from hiradix_model.mamba.config import MambaConfig
-from hiradix_model.mamba.evict import evict_full, evict_states
+from hiradix_model.mamba.evict import evict_for_alloc, evict_full, evict_states
 from hiradix_model.mamba.insert import insert
 from hiradix_model.mamba.invariants import (
     MAMBA_INVARIANTS,
@@ -31,6 +31,7 @@ __all__ = [
     "check",
     "dec_lock_ref",
     "dec_state_lock",
+    "evict_for_alloc",
     "evict_full",
     "evict_states",
     "fork",

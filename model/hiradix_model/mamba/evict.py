@@ -66,3 +66,23 @@ def evict_states(state: MambaState, target: int,
                        page_size=state.config.page_size, allowed=state_candidates,
                        take=_drop_state, freed=_states_freed, enough=True,
                        rest_allowed=lambda s, page: page in full_leaves(s))
+
+
+def evict_for_alloc(state: MambaState, full_need: int, state_need: int,
+                    victims: Sequence[Key]) -> tuple[MambaState, int]:
+    """An allocator short of room, one pool per call (13m.3): ``evict_full`` of
+    ``full_need`` or ``evict_states`` of ``state_need``; what that pool got back.
+
+    pre: not check(state)
+    post: not check(__return__[0])
+    raises: PreconditionError, IllegalChoice
+    """
+    for name, need in (("full_need", full_need), ("state_need", state_need)):
+        if isinstance(need, bool) or not isinstance(need, int) or need < 0:
+            raise PreconditionError(name, f"must be an int >= 0, got {need!r}")
+    if (full_need > 0) == (state_need > 0):
+        raise PreconditionError("full_need", f"exactly one pool is short per call, got "
+                                             f"{full_need} and state_need={state_need}")
+    if full_need:
+        return evict_full(state, full_need, victims)
+    return evict_states(state, state_need, victims)

@@ -35,7 +35,9 @@ def mamba_configs(page_sizes: Sequence[int]) -> list[MambaConfig]:
 class MambaCampaign(ComponentCampaign):
     components = "(FULL, MAMBA)"
     reach = REACH
-    reach_when = (("scheduled_examples", REACH_SCHEDULED),)
+    reach_when = (("scheduled_examples", REACH_SCHEDULED),
+                  ("alloc_evicting_examples", ("evict_for_alloc_full",
+                                               "evict_for_alloc_states")))
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,

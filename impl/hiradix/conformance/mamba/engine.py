@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from hiradix_model import Key
 from hiradix_model.mamba import MambaConfig
@@ -110,3 +110,14 @@ class MambaEngine(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds."""
+
+
+@runtime_checkable
+class AllocEvictingMambaEngine(Protocol):
+    """A ``MambaEngine`` whose allocators evict for themselves when a pool is short: the
+    call the server makes (spec/13m 13m.3 ``evict_for_alloc``), driven where an engine has
+    it."""
+
+    def evict_for_alloc(self, full_need: int, state_need: int) -> tuple[int, int]:
+        """Evict until the full pool has ``full_need`` more free tokens and the state pool
+        ``state_need`` more free slots than now; the full tokens and the states freed."""

@@ -48,7 +48,7 @@ from hiradix.conformance.hybrid.machine import (
     release_unpublished,
 )
 from hiradix.conformance.mamba.abstraction import abstract
-from hiradix.conformance.mamba.engine import MambaEngine
+from hiradix.conformance.mamba.engine import AllocEvictingMambaEngine, MambaEngine
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
 from hiradix_model import mamba as model
@@ -152,9 +152,13 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             self.running: list[Running] = []
             self.scheduler = (self.engine if isinstance(self.engine, ScheduledMambaEngine)
                               else None)
+            self.alloc_evicting = (self.engine if isinstance(self.engine,
+                                                             AllocEvictingMambaEngine)
+                                   else None)
             self.scheduled: list[Scheduled] = []
             seen["examples"] += 1
             seen["scheduled_examples"] += self.scheduler is not None
+            seen["alloc_evicting_examples"] += self.alloc_evicting is not None
             self.check("the initial state")
 
         def teardown(self) -> None:
@@ -187,27 +191,55 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             return want
 
         # -- evictions ------------------------------------------------------------------
-        def evict(self, pool: str, target: int) -> None:
+        def evict(self, pool: str, target: int, *, for_alloc: bool = False) -> None:
+            """``evict_full`` or ``evict_states`` of ``target``, or with ``for_alloc`` the
+            allocator's ``evict_for_alloc`` of that shortfall (13m.3)."""
             before = self.model
-            freed = (self.engine.evict_full if pool == "full" else self.engine.evict_states)(
-                target)
+            if for_alloc:
+                assert self.alloc_evicting is not None
+                full, states = self.alloc_evicting.evict_for_alloc(
+                    target if pool == "full" else 0, target if pool == "states" else 0)
+                freed = full if pool == "full" else states
+                call = f"evict_for_alloc({pool} short {target})"
+            else:
+                freed = (self.engine.evict_full if pool == "full"
+                         else self.engine.evict_states)(target)
+                call = f"evict_{pool}({target})"
             after = self.observed()
             chains = victim_chains(taken_pages(before, after), ps)
             evict = model.evict_full if pool == "full" else model.evict_states
+            needs = (target, 0) if pool == "full" else (0, target)
+
+            def judge(victims: list[Key]) -> tuple[MambaState, int]:
+                if for_alloc:
+                    return model.evict_for_alloc(before, *needs, victims)
+                return evict(before, target, victims)
+
             try:
                 state, want, victims = accepted_order(
-                    chains, lambda victims: evict(before, target, victims),
-                    lambda state: same_pages(state, after))
+                    chains, judge, lambda state: same_pages(state, after))
             except NoOrder as refused:
-                raise AssertionError(f"evict_{pool}({target}) = {freed} {refused}") from None
+                raise AssertionError(f"{call} = {freed} {refused}") from None
             self.model = state
-            seen[f"evict_{pool}"] += 1
+            seen[f"evict_for_alloc_{pool}" if for_alloc else f"evict_{pool}"] += 1
             seen["victims"] += len(victims)
             if pool == "states":
                 seen["state_tombstones"] += sum(k in after.pages for k in victims)
-            self.check(f"evict_{pool}({target}) = {freed}, victims "
-                       f"{[v.tokens for v in victims]}")
-            assert freed == want, f"evict_{pool}({target}) reported {freed}, freed {want}"
+            self.check(f"{call} = {freed}, victims {[v.tokens for v in victims]}")
+            assert freed == want, f"{call} reported {freed}, freed {want}"
+
+        def evict_for_room(self, pool: str, need: int) -> None:
+            """Room for ``need`` full tokens or states after an allocation came back
+            short: the server's allocators evict the shortfall themselves
+            (``evict_for_alloc``, 13m.3) where the engine has that call; elsewhere the
+            machine evicts ``need``."""
+            if self.alloc_evicting is None:
+                self.evict(pool, need)
+                return
+            free = len(self.model.full_free if pool == "full" else self.model.state_free)
+            assert need > free, (f"the engine refused {need} {pool} with {free} free in the "
+                                 "model")
+            self.evict(pool, need - free, for_alloc=True)
 
         @rule(pages=st.integers(1, 4))
         def evict_full(self, pages: int) -> None:
@@ -229,7 +261,7 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             slot = take()
             if slot is None:
                 seen["state_short"] += 1
-                self.evict("states", 1)
+                self.evict_for_room("states", 1)
                 slot = take()
             if slot is None:
                 return None
@@ -278,7 +310,7 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             full = self.engine.alloc(need) if need else ()
             if full is None:
                 seen["alloc_short"] += 1
-                self.evict("full", need)
+                self.evict_for_room("full", need)
                 full = self.engine.alloc(need)
             if full is None:
                 seen["abandoned"] += 1
@@ -360,7 +392,7 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             if there is none (SGLang would evict inside the call: DEV-M1)."""
             if not self.model.state_free:
                 seen["state_short"] += 1
-                self.evict("states", 1)
+                self.evict_for_room("states", 1)
             return bool(self.model.state_free)
 
         @precondition(lambda self: self.can_admit())
@@ -421,7 +453,7 @@ def make_mamba_machine(build: Build, config: MambaConfig,
                 full = self.engine.alloc(need)
                 if full is None:
                     seen["alloc_short"] += 1
-                    self.evict("full", need)
+                    self.evict_for_room("full", need)
                     full = self.engine.alloc(need)
                 if full is None:
                     return False

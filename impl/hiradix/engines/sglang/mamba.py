@@ -463,6 +463,18 @@ class SglangMambaAdapter:
     def evict_states(self, num_states: int) -> int:
         return int(self._evict(num_states, "mamba_num").mamba_num_evicted)
 
+    def evict_for_alloc(self, full_need: int, state_need: int) -> tuple[int, int]:
+        # What the server's allocators call when a pool is short, one pool per call:
+        # allocator/base.py:166-168 evict_to_free_tokens (full KV) and allocation.py:318-323
+        # ensure_mamba_capacity (states); each walk stops once its pool has the room.
+        for count in (full_need, state_need):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"{NAME}: a shortfall must be an int >= 0, got {count!r}")
+        self._tick()
+        got = self.cache.evict_for_alloc(
+            self.m["base"].EvictParams(num_tokens=full_need, mamba_num=state_need))
+        return int(got.num_tokens_evicted), int(got.mamba_num_evicted)
+
     def _evict(self, count: int, field: str) -> Any:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"{NAME}: the count to evict must be an int >= 0, got {count!r}")
