@@ -41,7 +41,12 @@ class Action:
     options: tuple[tuple[str, object], ...] = ()
 
     def apply(self, state: State) -> State:
-        return OPERATIONS[self.name](state, *self.args, **dict(self.options))[0]
+        return self.run(state)[0]
+
+    def run(self, state: State) -> tuple[State, object]:
+        """The state after and the operation's observation (what it returns)."""
+        after, observed = OPERATIONS[self.name](state, *self.args, **dict(self.options))
+        return after, observed
 
     def call(self, state: str = "s") -> str:
         """The Python call, as a reproducer line prints it."""

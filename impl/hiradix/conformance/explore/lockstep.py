@@ -27,7 +27,12 @@ from hiradix.tree import TreeNode, split
 from hiradix_model import Backup, IllegalChoice, Key, State, Victim, initial, ops
 from hiradix_model.explore import Action, Scope
 from hiradix_model.keys import content_at
+from hiradix_model.ops import InsertResult
 
+# The operations whose return value is an observation of spec/03 the implementation must
+# give as the model does (the rest return nothing, or what the model took as its choice).
+OBSERVED = frozenset({"insert", "evict", "evict_host", "inc_lock_ref", "dec_lock_ref",
+                      "write_backup", "writing_check", "loading_check"})
 # The arguments of each action that are choices the implementation makes, not requests.
 CHOICES = {"alloc": (2,), "evict": (1,), "evict_host": (1,), "write_backup": (1,)}
 CHOICE_OPTIONS = {"insert": ("backup",), "load_back": ("device_victims", "device_slots")}
@@ -101,19 +106,24 @@ class Pair:
     def step(self, asked: Action) -> Action:
         """Issue ``asked`` (a request) to both; return the action the model took, with
         the implementation's choices. Raises ``Disagreement``."""
-        taken = self._issue(asked)
+        taken, got = self._issue(asked)
         try:
-            self.model = taken.apply(self.model)
+            self.model, observed = taken.run(self.model)
         except IllegalChoice as error:
             raise Disagreement(f"the implementation chose what the model forbids: {error}") \
                 from error
+        want = observed.prefix_tokens if isinstance(observed, InsertResult) else observed
+        if taken.name in OBSERVED and got != want:
+            raise Disagreement(f"{taken.call()} returned {got!r}, the model {want!r}")
         self.cache.check_invariants()
         seen = abstract(self.cache, self.model)
         if seen != self.model:
             raise Disagreement(f"after {taken.call()}: the abstraction differs from the model")
         return taken
 
-    def _issue(self, asked: Action) -> Action:
+    def _issue(self, asked: Action) -> tuple[Action, object]:
+        """Issue ``asked``: the action with the implementation's choices, and what it
+        returned (None where the operation observes nothing)."""
         cache, name, args, options = self.cache, asked.name, asked.args, dict(asked.options)
         engine = cache.engine
         assert isinstance(engine, ControlledCopyEngine)
@@ -126,13 +136,13 @@ class Pair:
             _, want = ops.match_prefix(self.model, key, now)
             if tuple(got.device_slots.tolist()) != want.device_slots:
                 raise Disagreement(f"match_prefix({key}) device slots differ")
-            return asked
+            return asked, None
         if name in ("inc_lock_ref", "dec_lock_ref"):
             page = args[0]
             assert isinstance(page, Key)
             node = self.node(page)
-            (cache.inc_lock_ref if name == "inc_lock_ref" else cache.dec_lock_ref)(node)
-            return asked
+            return asked, (cache.inc_lock_ref if name == "inc_lock_ref"
+                           else cache.dec_lock_ref)(node)
         if name == "alloc":
             key, start = args
             assert isinstance(key, Key) and isinstance(start, int)
@@ -145,37 +155,39 @@ class Pair:
             contents = [content_at(key, start + i) for i in range(need)]
             pool.write(self._tensor(slots[:need]),
                        patterns(contents, pool.layers, pool.token_shape, pool.dtype))
-            return Action("alloc", (key, start, slots))
+            return Action("alloc", (key, start, slots)), None
         if name == "free":
             held = args[0]
             assert isinstance(held, tuple)
             cache.free(self._tensor(held))
-            return asked
+            return asked, None
         if name == "insert":
             key, given, now = args
             assert isinstance(key, Key) and isinstance(given, tuple) and isinstance(now, int)
             self.clock.tick = now
-            cache.insert(RadixKey(key.tokens, key.namespace), self._tensor(given),
-                         priority=_int(options["priority"]), chunked=bool(options["chunked"]),
-                         counted_from=_int(options["counted_from"]))
+            prefix = cache.insert(RadixKey(key.tokens, key.namespace), self._tensor(given),
+                                  priority=_int(options["priority"]),
+                                  chunked=bool(options["chunked"]),
+                                  counted_from=_int(options["counted_from"]))
             made = self.recorder.take().backups
             backup = Backup(tuple(map(_key, made[0].host_victims)), made[0].host_slots) \
                 if made else None
-            return Action("insert", args, (*asked.options, ("backup", backup)))
+            return Action("insert", args, (*asked.options, ("backup", backup))), prefix
         if name == "evict":
-            cache.evict(_int(args[0]))
-            return Action("evict", (args[0], _victims(self.recorder.take().device_victims)))
+            freed = cache.evict(_int(args[0]))
+            victims = _victims(self.recorder.take().device_victims)
+            return Action("evict", (args[0], victims)), freed
         if name == "evict_host":
-            cache.evict_host(_int(args[0]))
+            freed = cache.evict_host(_int(args[0]))
             chosen = tuple(map(_key, self.recorder.take().host_victims))
-            return Action("evict_host", (args[0], chosen))
+            return Action("evict_host", (args[0], chosen)), freed
         if name == "write_backup":
             page = args[0]
             assert isinstance(page, Key)
-            cache.write_backup(self.node(page))
+            started = cache.write_backup(self.node(page))
             made = self.recorder.take().backups
             report = Backup(tuple(map(_key, made[0].host_victims)), made[0].host_slots)
-            return Action("write_backup", (page, report))
+            return Action("write_backup", (page, report)), started
         if name in ("writing_check", "loading_check"):
             if name == "writing_check":
                 engine.complete("d2h", _int(args[0]))
@@ -183,7 +195,7 @@ class Pair:
             else:
                 engine.complete("h2d", _int(args[0]))
                 acked = cache.loading_check()
-            return Action(name, (acked,))
+            return Action(name, (acked,)), acked
         if name == "load_back":
             page, quota = args
             assert isinstance(page, Key) and (quota is None or isinstance(quota, int))
@@ -192,8 +204,8 @@ class Pair:
             victims = _victims(loads[0].device_victims) if loads else ()
             loaded = loads[0].device_slots if loads else None
             return Action("load_back", args, (("device_victims", victims),
-                                              ("device_slots", loaded)))
+                                              ("device_slots", loaded))), None
         if name == "reset":
             cache.reset()
-            return asked
+            return asked, None
         raise ValueError(f"unknown operation {name!r}")

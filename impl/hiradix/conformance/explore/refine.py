@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from hiradix.conformance.explore.lockstep import Disagreement, Pair, request
-from hiradix.errors import HiradixError
+from hiradix.conformance.explore.lockstep import Pair, request
 from hiradix_model import PreconditionError, State
 from hiradix_model.explore import Action, Figures, Scope, actions
 from hiradix_model.explore.bfs import Search
@@ -106,7 +105,9 @@ def refine(scope: Scope, *, max_states: int | None = None,
                 result.requests += len(path) + 1
                 try:
                     pair.step(asked)
-                except (Disagreement, HiradixError, AssertionError) as error:
+                except Exception as error:  # the reporting boundary: a disagreement, a
+                    # broken invariant or a crash of the implementation is a finding with
+                    # its path, as engine_refine reports an engine's
                     result.mismatch = Mismatch((*path, asked), f"{type(error).__name__}: {error}")
                     return result.close(False)
                 arrival = search.offer(index, asked, pair.model)
