@@ -500,7 +500,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             free = self.cache.device_pool.num_free_slots
             if alloc_tokens > free:
                 self.evict_both(alloc_tokens - free)
-            new = self.cache.device_pool.alloc(alloc_tokens)
+            new = self.allocate(alloc_tokens)
             if new is not None:
                 self.step("alloc", ops.alloc, key, cached, tuple(new.tolist()))
                 self.write_kv(key, cached, new[:need])
@@ -522,7 +522,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
                 owned = self.cache._tree_device_slots()
                 leftover = [s for s in new.tolist() if s not in owned]
                 if leftover:
-                    self.cache.device_pool.free(torch.tensor(leftover, dtype=torch.int64))
+                    self.cache.free(torch.tensor(leftover, dtype=torch.int64))
                     self.step("free", ops.free, tuple(leftover))
             if keep_lock and locked is not self.cache.root:
                 self.caller_locks.append(locked)
@@ -551,9 +551,18 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             model_delta = self.step("dec_lock_ref", ops.dec_lock_ref, self.page_of(node))
             self.agree(engine_delta, model_delta)
 
+        def allocate(self, num_tokens: int) -> torch.Tensor | None:
+            """The cache's own ``alloc``, as a scheduler calls it: None only where the
+            model has fewer free device slots than asked (3.3)."""
+            got = self.cache.alloc(num_tokens)
+            free = len(self.model.device_free)
+            assert got is not None or num_tokens > free, (
+                f"alloc({num_tokens}) refused with {free} device slots free in the model")
+            return got
+
         @rule(pages=st.integers(1, 3), tokens=keys_for(scenario.page_size))
         def hold(self, pages: int, tokens: tuple[int, ...]) -> None:
-            slots = self.cache.device_pool.alloc(pages * self.cache.page_size)
+            slots = self.allocate(pages * self.cache.page_size)
             if slots is None:
                 return
             key = Key(tokens)
@@ -565,7 +574,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
         @rule()
         def release(self) -> None:
             slots = self.holdings.pop()
-            self.cache.device_pool.free(slots)
+            self.cache.free(slots)
             self.step("free", ops.free, tuple(slots.tolist()))
 
         @rule(num_tokens=st.integers(0, 12))
@@ -666,7 +675,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             if not tokens:
                 return
             key, rkey = Key(tokens, namespace), RadixKey(tokens, namespace)
-            pages = self.cache.device_pool.alloc(math.ceil(len(tokens) / ps) * ps)
+            pages = self.allocate(math.ceil(len(tokens) / ps) * ps)
             if pages is None:
                 return
             laid = choosers.scramble(tuple(pages.tolist()), len(tokens), ps, how)
@@ -706,7 +715,7 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
             owned = self.cache._tree_device_slots()
             leftover = [s for s in pages.tolist() if s not in owned]
             if leftover:
-                self.cache.device_pool.free(torch.tensor(leftover, dtype=torch.int64))
+                self.cache.free(torch.tensor(leftover, dtype=torch.int64))
                 self.step("free", ops.free, tuple(leftover))
 
         # -- misuse: a typed error, and the cache exactly as it was ---------------------
