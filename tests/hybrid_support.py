@@ -90,3 +90,22 @@ def plant_full_target_misread(monkeypatch: MonkeyPatch) -> None:
         return 0 if component_type == full else int(available(self, component_type))
 
     monkeypatch.setattr(urc.UnifiedRadixCache, "_component_available_size", misread)
+
+
+def interleaved_eviction(build: Build) -> Counter[str]:
+    """A request whose allocation makes SGLang 0.5.23's evict_for_alloc take 8 pages in
+    three chains, one of them split around another: the full walk deletes a tombstone
+    node and the first page of a live one, the SWA walk tombstones that node's parent (an
+    internal node then), then deletes the rest of the node. Shrunk from a campaign whose
+    machine tried only up to 7 interleaved pages and reported it."""
+    reached: Counter[str] = Counter()
+    config = SwaConfig(page_size=2, full_slots=20, swa_slots=10, window=1)
+    state = make_swa_machine(build, config, reached)()
+    try:
+        state.run_request((3, 1), past=0, keep=False)
+        state.run_request((1, 1, 1, 1, 1, 1), past=3, keep=False)
+        state.run_request((3, 1, 1, 1, 1, 1, 1, 1, 1, 1), past=0, keep=False)
+        state.run_request((1,) * 11, past=0, keep=False)
+    finally:
+        state.teardown()
+    return reached

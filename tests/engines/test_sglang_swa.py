@@ -18,6 +18,7 @@ import pytest
 from hybrid_support import (
     bounded,
     heal_a_locked_tombstone,
+    interleaved_eviction,
     joint_eviction,
     plant_full_target_misread,
     run_until,
@@ -417,6 +418,10 @@ def test_an_allocations_eviction_stops_each_pool_at_its_target() -> None:
     reached: Counter[str] = Counter()
     joint_eviction(build, reached)
     assert reached["evict_for_alloc"] == 1
+
+
+def test_an_allocations_eviction_of_eight_interleaved_pages_is_accepted() -> None:
+    assert interleaved_eviction(build)["evict_for_alloc"] == 1
 
 
 def test_a_planted_target_misread_in_evict_for_alloc_fails_the_machine(

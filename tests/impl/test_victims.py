@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from hiradix.conformance.victims import interleaved_orders, victim_orders
+from hiradix.conformance.victims import (
+    MAX_INTERLEAVINGS,
+    interleaved_orders,
+    interleavings,
+    victim_orders,
+)
 from hiradix_model import Key
 
 
@@ -20,3 +25,23 @@ def test_interleavings_keep_each_chains_order_and_come_after_the_chain_orders() 
     assert [k(3, 1, 1, 1, 1), k(3, 1, 1), k(3, 1, 1, 1)] in orders
     assert len(orders) == len({tuple(o) for o in orders}) == 3  # 3 choose 1 placements
     assert all(o.index(k(3, 1, 1, 1, 1)) < o.index(k(3, 1, 1, 1)) for o in orders)
+
+
+def test_interleavings_are_merged_not_filtered_so_eight_pages_are_tried() -> None:
+    """Chains of 1, 4 and 3 pages (what SGLang 0.5.23's evict_for_alloc took in a campaign:
+    a full walk's leaves, then the SWA walk's tombstone, then the rest of a node): 280
+    orders keep every chain's order, each once, all tried."""
+    chains = [[k(3, 1)], [k(3, 1, 1, 1, 1, 1, 1, 1, 1, 1), k(3, 1, 1, 1, 1, 1, 1, 1),
+                          k(3, 1, 1, 1, 1, 1), k(3, 1, 1, 1)],
+              [k(1, 1, 1, 1, 1, 1), k(1, 1, 1, 1), k(1, 1)]]
+    assert interleavings(chains) == 280
+    orders = [tuple(o) for o in interleaved_orders(chains)]
+    assert len(orders) == len(set(orders)) == 280
+    wanted = (*chains[2], chains[1][0], chains[0][0], *chains[1][1:])
+    assert wanted in orders
+
+
+def test_too_many_interleavings_stop_at_the_chain_orders() -> None:
+    chains = [[k(i)] for i in range(1, 9)]  # 8! orders of single pages
+    assert interleavings(chains) == 40320 > MAX_INTERLEAVINGS
+    assert sum(1 for _ in interleaved_orders(chains)) == 1  # 8 chains: none permuted

@@ -11,6 +11,7 @@ which the model does not check).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
@@ -22,8 +23,10 @@ S = TypeVar("S")
 
 # Orders of chains tried before giving up: every permutation up to this many chains.
 MAX_PERMUTED = 6
-# Interleavings of single pages tried after the chain orders, up to this many pages.
-MAX_INTERLEAVED = 7
+# Interleavings of single pages tried after the chain orders, where the chains have at
+# most this many (the multinomial of their lengths: 8 pages in chains of 1, 4 and 3 have
+# 280; one chain of each of 8 pages, 40,320).
+MAX_INTERLEAVINGS = 5040
 
 
 def victim_chains(taken: Iterable[set[Key]], page_size: int) -> list[list[Key]]:
@@ -54,32 +57,41 @@ def victim_orders(chains: list[list[Key]]) -> Iterator[list[Key]]:
 
 
 def interleaved_orders(chains: list[list[Key]]) -> Iterator[list[Key]]:
-    """``victim_orders``, then (up to ``MAX_INTERLEAVED`` pages) every order of the single
-    pages in which each chain's pages keep their order: what an engine walking two
-    components one after the other takes, where the second walk reaches a parent its
-    first walk's deletion uncovered between pages of another chain."""
+    """``victim_orders``, then (where there are at most ``MAX_INTERLEAVINGS``) every order
+    of the single pages in which each chain's pages keep their order: what an engine
+    walking two components one after the other takes, where the second walk reaches a
+    parent its first walk's deletion uncovered between pages of another chain."""
     seen: set[tuple[Key, ...]] = set()
     for order in victim_orders(chains):
         seen.add(tuple(order))
         yield order
-    pages = [k for chain in chains for k in chain]
-    if len(pages) > MAX_INTERLEAVED:
+    if interleavings(chains) > MAX_INTERLEAVINGS:
         return
-    place = {k: (c, i) for c, chain in enumerate(chains) for i, k in enumerate(chain)}
-    for order in itertools.permutations(pages):
-        if order not in seen and _keeps_chain_order(order, place):
-            yield list(order)
+    for merged in _merges(chains, (0,) * len(chains)):
+        if tuple(merged) not in seen:
+            yield merged
 
 
-def _keeps_chain_order(order: tuple[Key, ...], place: dict[Key, tuple[int, int]]) -> bool:
-    """Whether each chain's pages come in ``order`` as they do in the chain."""
-    taken: dict[int, int] = {}  # chain -> how many of its pages came so far
-    for page in order:
-        chain, index = place[page]
-        if index != taken.get(chain, 0):
-            return False
-        taken[chain] = index + 1
-    return True
+def interleavings(chains: list[list[Key]]) -> int:
+    """How many orders of the chains' pages keep each chain's order (a multinomial)."""
+    count, placed = 1, 0
+    for chain in chains:
+        placed += len(chain)
+        count *= math.comb(placed, len(chain))
+    return count
+
+
+def _merges(chains: list[list[Key]], taken: tuple[int, ...]) -> Iterator[list[Key]]:
+    """Every order of the pages left (chain ``c`` from page ``taken[c]`` on) that keeps
+    each chain's order: the next page from each chain with one left, then the rest."""
+    if all(index == len(chain) for index, chain in zip(taken, chains, strict=True)):
+        yield []
+        return
+    for c, chain in enumerate(chains):
+        if taken[c] < len(chain):
+            rest = (*taken[:c], taken[c] + 1, *taken[c + 1:])
+            for tail in _merges(chains, rest):
+                yield [chain[taken[c]], *tail]
 
 
 class NoOrder(AssertionError):
