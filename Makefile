@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: setup check test pytest crosshair lint sglang-env sglang23-env vllm-env check-sglang bench \
-	wheel-check mooncake-env lmcache-env
+	wheel-check mooncake-env lmcache-env sglang-lmcache-env
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -156,6 +156,24 @@ $(LMC_VENV)/.installed: pyproject.toml
 	$(call engine_venv,$(LMC_VENV),$(LMC_DEPS),lmcache==0.5.6,$(LMC_IMPORTS))
 
 lmcache-env: $(LMC_VENV)/.installed
+
+# SGLang 0.5.20 into the same venv, for `hiradix check --engine sglang-lmcache` (its
+# LMCRadixCache over LMCache's tiers, spec/15 15.9): --no-deps, as for sglang-env, with
+# what its mem_cache imports (SGL_DEPS). transformers==5.12.1 is SGLang's own pin and
+# satisfies LMCache's transformers>=5.4; numpy stays at LMCache's ceiling (<=2.2.6);
+# kernels at SGLang's bound (<0.15): LMC_DEPS's transformers brings 0.19, which
+# transformers 5.12.1 cannot import (hub_kernels: "Either a revision or a version").
+# `make lmcache-env` alone still builds the venv without SGLang.
+LMC_BIN := $(LMC_VENV)/bin
+SGL_LMC_DEPS := $(SGL_DEPS) numpy==2.2.6 kernels==0.14.1
+
+$(LMC_VENV)/.sglang-installed: $(LMC_VENV)/.installed
+	$(LMC_BIN)/pip install -q $(SGL_LMC_DEPS)
+	$(LMC_BIN)/pip install -q --no-deps sglang==0.5.20
+	$(LMC_BIN)/python -c "$(LMC_IMPORTS), sglang.srt.mem_cache.storage.lmcache.lmc_radix_cache"
+	touch $@
+
+sglang-lmcache-env: $(LMC_VENV)/.sglang-installed
 
 # The installed package, outside the source tree: a wheel built from this checkout into a fresh
 # venv (torch's CPU build first), then `hiradix check` and the public import from a temp dir.

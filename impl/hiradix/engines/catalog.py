@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # annotations only: the machines import this package's protoc
     from hiradix.engines.protocol import EngineAdapter
 
 ENTRY_POINT_GROUP = "hiradix.engines"
-Components = Literal["(FULL, SWA)", "(FULL, MAMBA)", "(CPU, DISK)"]
+Components = Literal["(FULL, SWA)", "(FULL, MAMBA)", "(CPU, DISK)", "(DEVICE, CPU, DISK)"]
 
 
 class EngineError(ValueError):
@@ -82,7 +82,8 @@ class CampaignRunner(Protocol):
 class ComponentEngine:
     """An engine a component campaign drives: a hybrid cache, (FULL, SWA) by the machine
     of spec/13, (FULL, MAMBA) by that of spec/13m; or flat per-chunk tiers, (CPU, DISK),
-    by that of spec/15 15.5. ``swa_engine``, ``mamba_engine`` and ``flat_engine`` make one
+    by that of spec/15 15.5; or a device tree over flat tiers, (DEVICE, CPU, DISK), by
+    that of spec/15 15.9. ``swa_engine``, ``mamba_engine`` and ``flat_engine`` make one
     from a builder of ``SwaEngine`` / ``MambaEngine`` / ``FlatEngine``."""
 
     name: str
@@ -125,7 +126,9 @@ class _ComponentCampaign:
 
 _RUNNERS = {"(FULL, SWA)": Deferred("hiradix.conformance.hybrid.campaign", "run_campaign"),
             "(FULL, MAMBA)": Deferred("hiradix.conformance.mamba.campaign", "run_campaign"),
-            "(CPU, DISK)": Deferred("hiradix.conformance.flat.campaign", "run_campaign")}
+            "(CPU, DISK)": Deferred("hiradix.conformance.flat.campaign", "run_campaign"),
+            "(DEVICE, CPU, DISK)": Deferred("hiradix.conformance.flat.radix_campaign",
+                                            "run_campaign")}
 
 
 def swa_engine(name: str, family: str, probe: Callable[[], str],
@@ -151,6 +154,15 @@ def flat_engine(name: str, family: str, probe: Callable[[], str],
     (conformance.flat.engine); the campaign takes its page sizes as chunk sizes."""
     return ComponentEngine(name, family, "(CPU, DISK)", probe,
                            _ComponentCampaign(_RUNNERS["(CPU, DISK)"], name, build),
+                           description)
+
+
+def radix_engine(name: str, family: str, probe: Callable[[], str],
+                 build: Callable[..., Any], description: str = "") -> ComponentEngine:
+    """A device radix tree over flat tiers: ``build(RadixConfig) -> RadixEngine``
+    (conformance.flat.engine)."""
+    return ComponentEngine(name, family, "(DEVICE, CPU, DISK)", probe,
+                           _ComponentCampaign(_RUNNERS["(DEVICE, CPU, DISK)"], name, build),
                            description)
 
 
@@ -214,6 +226,10 @@ BUILT_IN: dict[str, Engine] = {engine.name: engine for engine in (
     flat_engine("lmcache", "lmcache", Deferred("hiradix.engines.lmcache.flat", "probe"),
                 Deferred("hiradix.engines.lmcache.flat", "build"),
                 "LMCacheEngine's CPU and disk tiers (spec/15)"),
+    radix_engine("sglang-lmcache", "sglang",
+                 Deferred("hiradix.engines.lmcache.sglang_radix", "probe"),
+                 Deferred("hiradix.engines.lmcache.sglang_radix", "build"),
+                 "SGLang's LMCRadixCache over LMCache's CPU and disk tiers (spec/15 15.9)"),
 )}
 
 

@@ -140,7 +140,7 @@ class LMCacheFlat:
             self.rig.k_pool[layer][loaded] = 0
             self.rig.v_pool[layer][loaded] = 0
         served = env.retrieve(self.rig, list(key.tokens), loaded)
-        return served, tuple(tuple(_code(self.rig.k_pool[layer][slot],
+        return served, tuple(tuple(token_code(self.rig.k_pool[layer][slot],
                                          self.rig.v_pool[layer][slot]) for slot in loaded)
                              for layer in range(self.config.layers))
 
@@ -153,25 +153,11 @@ class LMCacheFlat:
     # -- observing -------------------------------------------------------------------------
     def _disk_order(self) -> tuple[Obj, ...]:
         """The disk tier's objects, least recently used first."""
-        keys = _under(self.rig.disk.disk_lock, lambda: list(self.rig.disk.dict.keys()))
+        keys = under_lock(self.rig.disk.disk_lock, lambda: list(self.rig.disk.dict.keys()))
         return tuple(self._obj(k) for k in keys)
 
     def observe(self) -> FlatView:
-        cpu = _under(self.rig.cpu.cpu_lock, lambda: list(self.rig.cpu.hot_cache.items()))
-        disk = _under(self.rig.disk.disk_lock, lambda: list(self.rig.disk.dict.items()))
-        cpu_views = tuple(ObjView(self._obj(k), int(o.metadata.pin_count),
-                                  _codes(o.tensor)) for k, o in cpu)
-        disk_views = tuple(ObjView(self._obj(k), int(m.pin_count),
-                                   _codes(_read(m.path, m.shape))) for k, m in disk)
-        lookups = {lookup_id: tuple(Pin(_tier(location), self._obj(k))
-                                    for location, keys in by_location.items() for k in keys)
-                   for lookup_id, by_location in self.rig.engine.lookup_pins.items()}
-        reserved = int(self.rig.disk.current_cache_size)
-        charged = sum(int(m.size) for _, m in disk)
-        own = (None if reserved == charged else
-               f"the disk tier reserves {reserved} bytes, its entries are {charged}")
-        return FlatView(cpu=cpu_views, disk=disk_views, lookups=lookups,
-                        allocations=env.balance(self.rig).active_allocations, own_check=own)
+        return read_tiers(self.rig, self._obj)
 
     def close(self) -> None:
         self.rig.close()
@@ -189,7 +175,28 @@ def _write(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     v_pool[slots] = -k_pool[slots]
 
 
-def _code(k: torch.Tensor, v: torch.Tensor) -> int | None:
+def read_tiers(rig: env.Rig, obj: Callable[[Any], Obj]) -> FlatView:
+    """LMCache's two tiers as the flat machine reads them (``obj``: an engine key to the
+    model's object), each under its own lock, with the disk tier's own accounting."""
+    cpu = under_lock(rig.cpu.cpu_lock, lambda: list(rig.cpu.hot_cache.items()))
+    disk = under_lock(rig.disk.disk_lock, lambda: list(rig.disk.dict.items()))
+    cpu_views = tuple(ObjView(obj(k), int(o.metadata.pin_count), object_codes(o.tensor))
+                      for k, o in cpu)
+    disk_views = tuple(ObjView(obj(k), int(m.pin_count),
+                               object_codes(read_disk_entry(m.path, m.shape)))
+                       for k, m in disk)
+    lookups = {lookup_id: tuple(Pin(tier_of(location), obj(k))
+                                for location, keys in by_location.items() for k in keys)
+               for lookup_id, by_location in rig.engine.lookup_pins.items()}
+    reserved = int(rig.disk.current_cache_size)
+    charged = sum(int(m.size) for _, m in disk)
+    own = (None if reserved == charged else
+           f"the disk tier reserves {reserved} bytes, its entries are {charged}")
+    return FlatView(cpu=cpu_views, disk=disk_views, lookups=lookups,
+                    allocations=env.balance(rig).active_allocations, own_check=own)
+
+
+def token_code(k: torch.Tensor, v: torch.Tensor) -> int | None:
     """The code one token's K and V spell, or None."""
     first = float(k.flatten()[0])
     if not first.is_integer() or not bool((k == first).all()) or not bool((v == -first).all()):
@@ -197,25 +204,25 @@ def _code(k: torch.Tensor, v: torch.Tensor) -> int | None:
     return int(first)
 
 
-def _codes(kv: torch.Tensor) -> tuple[int | None, ...]:
+def object_codes(kv: torch.Tensor) -> tuple[int | None, ...]:
     """Per token, the code of one object's bytes (LMCache's KV_T2D layout: [tokens,
     (K, V), hidden], memory_management.py)."""
-    return tuple(_code(kv[t, 0], kv[t, 1]) for t in range(kv.shape[0]))
+    return tuple(token_code(kv[t, 0], kv[t, 1]) for t in range(kv.shape[0]))
 
 
-def _read(path: str, shape: Any) -> torch.Tensor:
+def read_disk_entry(path: str, shape: Any) -> torch.Tensor:
     """A disk entry's bytes as LMCache wrote them (the object's buffer, raw)."""
     raw = Path(path).read_bytes()
     return torch.frombuffer(bytearray(raw), dtype=torch.float32).view(*shape)
 
 
-def _tier(location: str) -> Tier:
+def tier_of(location: str) -> Tier:
     if location not in TIER_OF:
         raise AssertionError(f"a lookup pinned on {location!r}, a tier this rig lacks")
     return TIER_OF[location]
 
 
-def _under(lock: Any, read: Callable[[], list[Any]]) -> list[Any]:
+def under_lock(lock: Any, read: Callable[[], list[Any]]) -> list[Any]:
     # A lock an operation never released (spec/15 DEV-L2) would hang the reading: a
     # bounded wait turns that into an error.
     if not lock.acquire(timeout=env.LOCK_TIMEOUT_S):

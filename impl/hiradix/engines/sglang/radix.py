@@ -12,7 +12,7 @@ which of several tied leaves is evicted, a choice SGLang leaves to object addres
    CUDA only -- is given as a plain ``index_copy_`` per layer buffer.
 4. One process group (gloo, world size 1) and published ``ServerArgs``: HiRadixCache
    all-reduces its acknowledgement counts and reads its settings from the runtime context.
-5. Each cache's sets of evictable leaves become insertion-ordered (``_InsertionOrdered``):
+5. Each cache's sets of evictable leaves become insertion-ordered (``InsertionOrdered``):
    SGLang heapifies them, so among tied leaves the victim would follow object addresses
    and two runs of one example would evict differently (DEV-20).
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSet, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,7 @@ import torch
 from hiradix.conformance.abstraction import decode_kv
 from hiradix.conformance.kv import patterns
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines.determinism import InsertionOrdered, LogicalTime
 from hiradix.engines.protocol import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix_model import Config, Key, Page, State, Transfer, ops
 
@@ -97,46 +98,6 @@ class _Run:
 def _on_path(page: Key, deeper: Key) -> bool:
     """Whether ``page`` lies on the root path of ``deeper``."""
     return page.namespace == deeper.namespace and deeper.tokens[:len(page.tokens)] == page.tokens
-
-
-class _InsertionOrdered(MutableSet[Any]):
-    """A set that iterates in insertion order: stands in for SGLang's evictable-leaf
-    sets so that a tie among leaves is broken the same way in every run (DEV-20)."""
-
-    def __init__(self, items: Iterable[Any] = ()) -> None:
-        self._items: dict[Any, None] = dict.fromkeys(items)
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def add(self, value: Any) -> None:
-        self._items[value] = None
-
-    def discard(self, value: Any) -> None:
-        self._items.pop(value, None)
-
-    def clear(self) -> None:
-        self._items.clear()
-
-
-class LogicalTime:
-    """Stands in for the ``time`` module inside SGLang's cache modules (DEV-2)."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def monotonic(self) -> float:
-        return float(self.now)
-
-    @staticmethod
-    def perf_counter() -> float:
-        return time.perf_counter()
 
 
 @dataclass
@@ -393,9 +354,9 @@ class SglangAdapter:
             host_slots = 0
             self.operations = RADIX_OPS
         if observed:
-            self.cache.evictable_leaves = _InsertionOrdered(self.cache.evictable_leaves)
+            self.cache.evictable_leaves = InsertionOrdered(self.cache.evictable_leaves)
         if observed and hierarchical:
-            self.cache.evictable_host_leaves = _InsertionOrdered(
+            self.cache.evictable_host_leaves = InsertionOrdered(
                 self.cache.evictable_host_leaves)
         self.config = Config(page_size=ps, device_slots=device_slots, host_slots=host_slots,
                              write_policy=scenario.write_policy if hierarchical

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from hiradix.conformance.scenario import Scenario
-from hiradix.engines.sglang.radix import _InsertionOrdered, device_pools
+from hiradix.engines.determinism import InsertionOrdered
+from hiradix.engines.sglang.radix import device_pools
 from hiradix.engines.sglang.unified import (
     UnifiedClock,
     UnifiedEnv,
@@ -86,8 +87,8 @@ class PythonReference:
 
     def _order_leaf_sets(self) -> None:
         """DEV-20: leaf sets hashed by address, rebuilt on reset: ordered again."""
-        self.tree.evictable_device_leaves = _InsertionOrdered(self.tree.evictable_device_leaves)
-        self.tree.evictable_host_leaves = _InsertionOrdered(self.tree.evictable_host_leaves)
+        self.tree.evictable_device_leaves = InsertionOrdered(self.tree.evictable_device_leaves)
+        self.tree.evictable_host_leaves = InsertionOrdered(self.tree.evictable_host_leaves)
 
     @staticmethod
     def agree(what: str, rust: object, python: object) -> None:

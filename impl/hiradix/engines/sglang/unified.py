@@ -42,6 +42,7 @@ import torch
 
 from hiradix.conformance.abstraction import decode_kv
 from hiradix.conformance.scenario import Scenario
+from hiradix.engines.determinism import InsertionOrdered
 from hiradix.engines.protocol import EngineAdapter, EngineUnavailable, probe_engine
 from hiradix.engines.sglang.radix import (
     CACHE_SLOT_AFTER_CALLER_SLOT,
@@ -52,7 +53,6 @@ from hiradix.engines.sglang.radix import (
     LAYERS,
     WRITE_BACK_MAPPED,
     SglangAdapter,
-    _InsertionOrdered,
     _Run,
     check_layouts,
     chunked_only,
@@ -385,8 +385,8 @@ class SglangUnifiedAdapter(SglangAdapter):
     def _order_leaf_sets(self) -> None:
         """DEV-20: SGLang's leaf sets hash nodes by address; the tree core rebuilds
         them on every reset, so they are ordered again after each one."""
-        self.tree.evictable_device_leaves = _InsertionOrdered(self.tree.evictable_device_leaves)
-        self.tree.evictable_host_leaves = _InsertionOrdered(self.tree.evictable_host_leaves)
+        self.tree.evictable_device_leaves = InsertionOrdered(self.tree.evictable_device_leaves)
+        self.tree.evictable_host_leaves = InsertionOrdered(self.tree.evictable_host_leaves)
 
     # -- plumbing ---------------------------------------------------------------------
 
