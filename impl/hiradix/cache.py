@@ -39,7 +39,7 @@ from hiradix.errors import (
 )
 from hiradix.events import EventChannel, EventKind, EventSink, KVEvent, Medium, check_sink
 from hiradix.host_pool import HostKVPool, HostLayout
-from hiradix.keys import TOKEN_BYTES, RadixKey, child_key, common_pages
+from hiradix.keys import TOKEN_BYTES, RadixKey, child_key, common_pages, holds_at
 from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
 from hiradix.storage.backend import StorageBackend
 from hiradix.storage.tier import StorageTier, TierSettings
@@ -103,7 +103,7 @@ class PendingCopy:
             if covered >= self.tokens:
                 break
             nodes.append(node)
-            covered += len(node.tokens)
+            covered += node.length
         return nodes[::-1] if covered == self.tokens else None
 
 
@@ -238,7 +238,7 @@ class HiRadixCache:
         self.engine.reset()
         self.device_pool.reset()
         self.host_pool.reset()
-        self.root = TreeNode(self, None, (), None)  # owns no slots, is never evicted
+        self.root = TreeNode(self, None, b"", None)  # owns no slots, is never evicted
         # Which device slots a node owns: tells a caller's slot from the tree's in O(1).
         self._device_owned = SlotMarks(self.device_pool.num_slots)
         # The pools' own ``free`` refuses the tree's slots from now on (issue 34).
@@ -285,9 +285,9 @@ class HiRadixCache:
     def _count(self, node: TreeNode, sign: int) -> None:
         if node.device is not None:
             if node.lock_ref == 0:
-                self.evictable_tokens += sign * len(node.tokens)
+                self.evictable_tokens += sign * node.length
             else:
-                self.protected_tokens += sign * len(node.tokens)
+                self.protected_tokens += sign * node.length
 
     def _set_device(self, node: TreeNode, slots: torch.Tensor | None, *,
                     releasing: bool = False) -> None:
@@ -307,7 +307,7 @@ class HiRadixCache:
         """One event per page of ``node``, root-most first (spec/11, 11.1), to the
         channel (delivered when the operation is done, 11.7)."""
         self.event_channel.emit_pages(kind, medium, node.namespace, node.prefix(),
-                                      len(node.tokens), self.page_size)
+                                      node.length, self.page_size)
 
     def _add_lock(self, node: TreeNode, delta: int) -> int:
         """Add ``delta`` to the lock of ``node`` and its ancestors; return evictable change."""
@@ -358,7 +358,7 @@ class HiRadixCache:
         holders")."""
         prefix = node.prefix()
         end = len(prefix)
-        start = end - len(node.tokens)
+        start = end - node.length
         return [(node.namespace, prefix[:n])
                 for n in range(end, start, -self.page_size)]
 
@@ -419,7 +419,7 @@ class HiRadixCache:
                 break
             matched = common_pages(child.packed, packed, start, self.page_size, stop_at)
             walked.append((child, matched))
-            if matched < len(child.tokens):
+            if matched < child.length:
                 break
             node, start = child, start + matched
         return walked
@@ -433,7 +433,7 @@ class HiRadixCache:
         (it saves a second walk)."""
         nodes = []
         for child, matched in self.walk(key, stop_at) if walked is None else walked:
-            if matched < len(child.tokens):
+            if matched < child.length:
                 child = split(child, matched, self.page_size)
                 self.refresh_leaf_sets_around(child)
             nodes.append(child)
@@ -447,8 +447,9 @@ class HiRadixCache:
         # as it is reached. Device nodes come first on the path (INV-DEVICE-PREFIX-
         # CLOSED), the host-only ones after.
         # Positions in bytes of ``key.packed`` (issue 29): a child's key is a slice of
-        # them, and the common case along a cached path, a segment that matches whole, is
-        # one memcmp in place; only where the key leaves a segment are pages counted.
+        # them (``keys.child_key``), and the common case along a cached path, a segment
+        # that matches whole, is one memcmp in place (``holds_at``, on bytes or a borrowed
+        # view alike); only where the key leaves a segment are pages counted.
         size, packed, namespace = self.page_size, key.packed, key.namespace
         page = size * TOKEN_BYTES
         end = (key.length - key.length % size) * TOKEN_BYTES
@@ -456,11 +457,11 @@ class HiRadixCache:
         node = last_device = last_host = self.root
         host_hit = offset = 0
         while offset < end:
-            child = node.children.get((namespace, packed[offset:offset + page]))
+            child = node.children.get((namespace, bytes(packed[offset:offset + page])))
             if child is None:
                 break
             segment = child.packed
-            if len(segment) <= end - offset and packed.startswith(segment, offset):
+            if len(segment) <= end - offset and holds_at(packed, offset, segment):
                 matched, leaves = len(segment), False
             else:  # the key leaves the path inside child
                 matched = common_pages(segment, packed, offset // TOKEN_BYTES, size,
@@ -580,7 +581,7 @@ class HiRadixCache:
         for node, matched in walked:
             if node.device is None:
                 break
-            own.append(node.device if matched == len(node.tokens) else node.device[:matched])
+            own.append(node.device if matched == node.length else node.device[:matched])
             end += matched
         if any(node.device is not None for node, _ in walked[len(own):]):
             return None
@@ -636,15 +637,15 @@ class HiRadixCache:
             node.last_tick = now
             node.priority = max(node.priority, priority)
             if node.device is not None:
-                prefix += len(node.tokens)
+                prefix += node.length
                 if start >= counted:
                     node.hits += 1
             else:  # host-only: adopt the recomputed KV; not a hit, not a cached prefix
-                self._set_device(node, slots[start:start + len(node.tokens)].clone())
+                self._set_device(node, slots[start:start + node.length].clone())
                 self.refresh_leaf_sets_around(node)
             if start >= counted:
                 counting.append(node)
-            start += len(node.tokens)
+            start += node.length
         parent = touched[-1] if touched else self.root
         # The new tail: one leaf, or two where ``counted`` falls inside it.
         for end in (counted, aligned) if start < counted else (aligned,):
@@ -677,8 +678,8 @@ class HiRadixCache:
     def _add_leaf(self, key: RadixKey, parent: TreeNode, start: int, end: int,
                   slots: torch.Tensor, now: int, priority: int, hits: int) -> TreeNode:
         """A new node for ``key.tokens[start:end]`` under ``parent``."""
-        node = TreeNode(self, key.namespace, key.span(start, end), parent, now, priority,
-                        packed=key.packed[start * TOKEN_BYTES:end * TOKEN_BYTES])
+        node = TreeNode(self, key.namespace, key.packed_span(start, end), parent, now,
+                        priority)
         node.hits = hits
         parent.children[node.child_key(self.page_size)] = node
         self._set_device(node, slots[start:end].clone())
@@ -702,7 +703,7 @@ class HiRadixCache:
     def _backup(self, run: list[TreeNode]) -> bool:
         """Back up ``run`` (a chain, root-most first) all or nothing, in one copy."""
         single = len(run) == 1  # the common case, without generators or lists
-        need = len(run[0].tokens) if single else sum(len(n.tokens) for n in run)
+        need = run[0].length if single else sum(n.length for n in run)
         victims = self.make_host_room(need)
         host = self._agreed_alloc(self.host_pool, need, "backup alloc")
         if host is None:
@@ -715,8 +716,8 @@ class HiRadixCache:
         else:
             start = 0
             for node in run:  # views of the one allocation (tree.py: never written)
-                node.host = host[start:start + len(node.tokens)]
-                start += len(node.tokens)
+                node.host = host[start:start + node.length]
+                start += node.length
             sources = [n.device for n in run if n.device is not None]
             source = sources[0] if len(sources) == 1 else torch.cat(sources)
         ticket = self.engine.submit_unchecked("d2h", source, host)
@@ -872,10 +873,10 @@ class HiRadixCache:
                     victims.extend(DeviceVictim(p) for p in self.page_refs(node))
                 evicted += self._drop_device_copy(node, freed)
             else:
-                if len(node.tokens) > self.page_size:
+                if node.length > self.page_size:
                     # write_back moves one page at a time, so that a host that fills up
                     # half way through a node drops only what did not fit.
-                    upper = split(node, len(node.tokens) - self.page_size, self.page_size)
+                    upper = split(node, node.length - self.page_size, self.page_size)
                     self.refresh_leaf_sets_around(upper)
                 victim, moved = self._evict_write_back(node, freed)
                 victims.append(victim)
@@ -899,7 +900,7 @@ class HiRadixCache:
             self._emit("removed", "device", node)
         freed.append(device)
         node.device = None
-        self.evictable_tokens -= len(node.tokens)  # INV-ACCOUNTING: it was unlocked
+        self.evictable_tokens -= node.length  # INV-ACCOUNTING: it was unlocked
         self.device_leaves.discard(node)
         if node.host is not None:
             self.refresh_leaf_sets(node)  # now perhaps a host leaf
@@ -908,7 +909,7 @@ class HiRadixCache:
         else:
             assert not node.children, f"{node!r}: a device-only leaf with children"
             self._detach(node)
-        return len(node.tokens)
+        return node.length
 
     def _detach(self, node: TreeNode) -> None:
         parent = node.parent
@@ -1029,7 +1030,7 @@ class HiRadixCache:
             if self.event_channel.enabled:
                 self._emit("removed", "host", node)
             freed.append(node.host)
-            evicted += len(node.tokens)
+            evicted += node.length
             node.host = None
             self._detach(node)
         self.host_pool.release_parts(freed)
@@ -1056,8 +1057,8 @@ class HiRadixCache:
             cursor = cursor.parent
         chain.reverse()
         anchor = cursor
-        tokens = sum(len(n.tokens) for n in chain)
-        newly_locked = sum(len(n.tokens) for n in anchor.path() if n.lock_ref == 0)
+        tokens = sum(n.length for n in chain)
+        newly_locked = sum(n.length for n in anchor.path() if n.lock_ref == 0)
         if tokens < self.config.load_back_threshold or (
                 mem_quota is not None and tokens > mem_quota - newly_locked):
             self._record_load([], None)
@@ -1095,8 +1096,8 @@ class HiRadixCache:
         else:
             start = 0
             for n in chain:  # views of the one allocation (tree.py: never written)
-                self._set_device(n, device[start:start + len(n.tokens)])
-                start += len(n.tokens)
+                self._set_device(n, device[start:start + n.length])
+                start += n.length
         for n in chain:
             self.refresh_leaf_sets_around(n)
         sources = [n.host for n in chain if n.host is not None]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hiradix.errors import InvariantViolation
-from hiradix.keys import pack
+from hiradix.keys import TOKEN_BYTES
 from hiradix.tree import TreeNode
 
 if TYPE_CHECKING:
@@ -27,17 +27,20 @@ def _tree(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
     ps, found = cache.page_size, []
     for node in nodes:
         parent = node.parent
-        if not node.tokens or len(node.tokens) % ps:
-            found.append(f"{node!r}: segment length {len(node.tokens)} is not a page multiple")
+        # The segment is its packed bytes, which matching compares (keys.common_pages):
+        # the tree's own, never a view of a caller's buffer (a borrowed key's, issue 29).
+        if type(node.packed) is not bytes or len(node.packed) != node.length * TOKEN_BYTES:
+            found.append(f"{node!r}: its segment is not {node.length} tokens of bytes of "
+                         f"its own ({type(node.packed).__name__})")
+        if not node.length or node.length % ps:
+            found.append(f"{node!r}: segment length {node.length} is not a page multiple")
         if parent is None or parent.children.get(node.child_key(ps)) is not node:
             found.append(f"{node!r}: not reachable from its parent under its child key")
-        if node.packed != pack(node.tokens):  # what matching compares (keys.common_pages)
-            found.append(f"{node!r}: its packed tokens are not its tokens")
         for tier, slots in (("device", node.device), ("host", node.host)):
             if slots is not None and (slots.dtype != torch.int64 or slots.dim() != 1
-                                      or slots.numel() != len(node.tokens)):
+                                      or slots.numel() != node.length):
                 found.append(f"{node!r}: {tier} slots are not one int64 per token")
-            elif (slots is not None and len(node.tokens) % ps == 0
+            elif (slots is not None and node.length % ps == 0
                   and not _whole_pages_in_order(slots, ps)):
                 # Release trusts this and checks page heads only (_slots.release).
                 found.append(f"{node!r}: {tier} slots {slots.tolist()} are not whole pages "
@@ -113,8 +116,8 @@ def _anchors(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
 
 
 def _accounting(cache: HiRadixCache, nodes: list[TreeNode]) -> Problems:
-    unlocked = sum(len(n.tokens) for n in nodes if n.device is not None and n.lock_ref == 0)
-    locked = sum(len(n.tokens) for n in nodes if n.device is not None and n.lock_ref > 0)
+    unlocked = sum(n.length for n in nodes if n.device is not None and n.lock_ref == 0)
+    locked = sum(n.length for n in nodes if n.device is not None and n.lock_ref > 0)
     found = []
     if cache.evictable_tokens != unlocked:
         found.append(f"evictable_tokens {cache.evictable_tokens} != unlocked device tokens "

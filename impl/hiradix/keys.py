@@ -9,10 +9,18 @@ search over pages, never token by token.
 A scheduler builds a key per request, so building one is on every request's path (issue
 29). The packed bytes are the key's one required form, made in a single pass: from a list
 or tuple by ``hiradix._tokens`` (C, one pass that also refuses any element that is not an
-int in the int64 range) or, where that is not built, by the Python version below; from an
-int64 tensor or buffer (``array('q')``, a numpy array) by one copy of its bytes, where the
-dtype is the range check. The tuple of Python ints (``tokens``) is made only when asked
-for, from whichever form is at hand; a match reads just the first page of each segment.
+int in the int64 range) or, where that is not built, by the Python version below. A
+contiguous int64 tensor on the CPU or int64 buffer (``array('q')``, SGLang's form of a
+request's tokens; a numpy array) is **borrowed**, not copied: the key reads its bytes in
+place through a read-only view, the dtype being the range check (a 33 k-token copy was
+most of a long prompt's key, issue 29). Other tensors and buffers are copied once. The
+tuple of Python ints (``tokens``) is made only when asked for, from whichever form is at
+hand; a match reads just the first page of each segment.
+
+Borrowing is a contract with the caller, as SGLang's own key (which keeps the caller's
+list) has: the tokens must not change while the key is in use. Python enforces half of
+it, refusing to resize an ``array`` that a view exports; the tree never keeps a borrowed
+view, it copies the tokens it caches (``RadixKey.packed_span``).
 """
 
 from __future__ import annotations
@@ -97,28 +105,37 @@ def _packed_sequence(tokens: tuple[Any, ...] | list[Any]) -> tuple[bytes, bool]:
     return pack(checked), False
 
 
-def _packed_tensor(tokens: torch.Tensor) -> bytes:
-    """A 1-D integer tensor's tokens packed: one copy of its bytes (as int64, on the CPU);
-    every integer dtype torch has is in the int64 range."""
+def _borrowed(exporter: object) -> memoryview:
+    """The read-only byte view of a C-contiguous int64 buffer, which a key borrows."""
+    return memoryview(exporter).cast("B").toreadonly()  # type: ignore[arg-type]
+
+
+def _packed_tensor(tokens: torch.Tensor) -> bytes | memoryview:
+    """A 1-D integer tensor's tokens packed: borrowed where it is a contiguous int64 CPU
+    tensor, else one copy of its bytes as int64 on the CPU; every integer dtype torch has
+    is in the int64 range."""
     if tokens.dim() != 1 or tokens.dtype not in _INTEGER_DTYPES:
         _refuse("tokens", f"a tensor of tokens must be 1-D with an integer dtype, got a "
                           f"{tokens.dim()}-D {tokens.dtype} tensor")
+    if tokens.dtype is torch.int64 and tokens.is_cpu and tokens.is_contiguous():
+        return _borrowed(tokens.numpy())
     if tokens.device.type == "meta":
         _refuse("tokens", "a tensor on the meta device holds no values")
     as_int64 = tokens.to(device="cpu", dtype=torch.int64).contiguous()
     return as_int64.numpy().tobytes()
 
 
-def _packed_buffer(tokens: object) -> bytes:
-    """A 1-D integer buffer's tokens packed: one copy where it holds native int64s, else
-    through its values (unsigned 64-bit ones range-checked)."""
+def _packed_buffer(tokens: object) -> bytes | memoryview:
+    """A 1-D integer buffer's tokens packed: borrowed where it holds native int64s
+    contiguously, one copy where they are strided, else through its values (unsigned
+    64-bit ones range-checked)."""
     view = memoryview(tokens)  # type: ignore[arg-type]
     code = view.format.lstrip("@=")
     if view.ndim != 1 or code not in _SIGNED_FORMATS | _UNSIGNED_FORMATS:
         _refuse("tokens", f"a buffer of tokens must be 1-D of integers, got {view.ndim}-D "
                           f"with format {view.format!r}")
     if code in "lq" and view.itemsize == TOKEN_BYTES:
-        return view.tobytes()
+        return _borrowed(view) if view.c_contiguous else view.tobytes()
     values = view.tolist()
     if code in "LQ" and values and max(values) > INT64_MAX:
         index = next(i for i, v in enumerate(values) if v > INT64_MAX)
@@ -126,7 +143,7 @@ def _packed_buffer(tokens: object) -> bytes:
     return pack(values)
 
 
-def _checked(tokens: object) -> tuple[tuple[int, ...] | None, bytes]:
+def _checked(tokens: object) -> tuple[tuple[int, ...] | None, bytes | memoryview]:
     """``tokens`` packed (``pack``), with the tuple of ints where it shares the caller's
     int objects (a tuple or list of exact ints: the tuple itself, or a copy of the list's
     pointers, so the tree's segments hold no int objects of their own); raise
@@ -162,10 +179,13 @@ class RadixKey:
     construction (issue 12): ``tokens`` may be a tuple, list or range of ints, a 1-D
     integer tensor or a 1-D integer buffer (``array('q')``, a numpy array), every token in
     the int64 range; ``namespace`` is a str or None. Anything else raises
-    ``InvalidArgument`` naming the argument. Immutable: the key copies what it is given.
+    ``InvalidArgument`` naming the argument. Immutable: the key copies what it is given,
+    except a contiguous int64 buffer or CPU tensor, which it borrows (read in place; the
+    caller must not change those tokens while the key is in use, see the module's note).
 
-    ``tokens`` is the tuple of Python ints; ``packed`` the same as native int64 bytes;
-    ``len(key)`` their number. Two keys are equal when their tokens and namespaces are."""
+    ``tokens`` is the tuple of Python ints; ``packed`` the same as native int64 bytes (a
+    read-only byte view where borrowed); ``len(key)`` their number. Two keys are equal
+    when their tokens and namespaces are."""
 
     __slots__ = ("_tokens", "_view", "length", "namespace", "packed")
 
@@ -173,20 +193,21 @@ class RadixKey:
     _view: memoryview | None
     length: int
     namespace: str | None
-    packed: bytes
+    packed: bytes | memoryview
 
     def __init__(self, tokens: TokenIds, namespace: str | None = None) -> None:
         if namespace is not None and not isinstance(namespace, str):
             _refuse("namespace", f"must be a str or None, got {type(namespace).__name__}")
         # The scheduler's case inline (a list of exact ints, packed by the C pass): a key
         # is built per request, and the calls of the general path cost as much again.
-        # SGLang's scheduler holds a request's tokens as array('q'): one copy of its bytes.
-        packed = _C_PACK(tokens) if type(tokens) is list and _C_PACK is not None else None
+        # SGLang's scheduler holds a request's tokens as array('q'): borrowed in place.
+        packed: bytes | memoryview | None = (
+            _C_PACK(tokens) if type(tokens) is list and _C_PACK is not None else None)
         as_tuple: tuple[int, ...] | None = None
         if packed is not None:
             as_tuple = tuple(tokens)  # type: ignore[arg-type]
         elif type(tokens) is array and tokens.typecode == "q":  # type: ignore[union-attr]
-            packed = tokens.tobytes()  # type: ignore[union-attr]
+            packed = _borrowed(tokens)
         else:
             as_tuple, packed = _checked(tokens)
         _SET_TOKENS(self, as_tuple)
@@ -221,6 +242,11 @@ class RadixKey:
             return self._tokens[start:end]
         return tuple(self._ints()[start:end])
 
+    def packed_span(self, start: int, end: int) -> bytes:
+        """Tokens ``start:end`` packed, as bytes of their own: what a tree node keeps (a
+        borrowed key's view is the caller's memory, never the tree's)."""
+        return bytes(self.packed[start * TOKEN_BYTES:end * TOKEN_BYTES])
+
     def __len__(self) -> int:
         return self.length
 
@@ -230,7 +256,7 @@ class RadixKey:
         return self.namespace == other.namespace and self.packed == other.packed
 
     def __hash__(self) -> int:
-        return hash((self.namespace, self.packed))
+        return hash((self.namespace, bytes(self.packed)))  # a borrowed view may not hash
 
     def __repr__(self) -> str:
         return f"RadixKey(tokens={self.tokens!r}, namespace={self.namespace!r})"
@@ -251,35 +277,48 @@ _SET_LENGTH = RadixKey.length.__set__  # type: ignore[attr-defined]
 _SET_NAMESPACE = RadixKey.namespace.__set__  # type: ignore[attr-defined]
 
 
-def child_key(namespace: str | None, packed: bytes, start: int, page_size: int) -> ChildKey:
+def child_key(namespace: str | None, packed: bytes | memoryview, start: int,
+              page_size: int) -> ChildKey:
     """The key under which a segment starting at token ``start`` of the packed tokens
     ``packed`` hangs from its parent: its first page, packed.
 
-    The namespace is part of it, so two namespaces never share a child slot.
+    The namespace is part of it, so two namespaces never share a child slot. A borrowed
+    key's page is copied out of its view (a view of an unhashable exporter such as an
+    ``array`` does not hash); ``bytes`` of a bytes slice is that slice, no second copy.
     """
-    return (namespace, packed[start * TOKEN_BYTES:(start + page_size) * TOKEN_BYTES])
+    return (namespace, bytes(packed[start * TOKEN_BYTES:(start + page_size) * TOKEN_BYTES]))
 
 
-def common_pages(segment: bytes, tokens: bytes, start: int, page_size: int,
+def holds_at(tokens: bytes | memoryview, offset: int, part: bytes) -> bool:
+    """Whether the packed ``tokens`` hold ``part`` from byte ``offset``: one ``memcmp`` in
+    place. Bytes compare at an offset (``startswith``); a borrowed view is sliced (a view
+    again, no copy) and given to ``part.startswith``, which takes any buffer."""
+    if type(tokens) is bytes:
+        return tokens.startswith(part, offset)
+    width = len(part)
+    return len(tokens) - offset >= width and part.startswith(tokens[offset:offset + width])
+
+
+def common_pages(segment: bytes, tokens: bytes | memoryview, start: int, page_size: int,
                  stop: int | None = None) -> int:
     """Tokens (a multiple of ``page_size``) that the packed ``segment`` shares with the
     packed ``tokens`` from token ``start`` (up to token ``stop``, if given).
 
-    O(log pages) ``memcmp``s: ``startswith`` at an offset compares in place, and a whole
-    segment that matches (the common case along a cached path) is compared without a copy.
+    O(log pages) ``memcmp``s (``holds_at``), and a whole segment that matches (the common
+    case along a cached path) is compared without a copy.
     """
     width = TOKEN_BYTES
     limit = min(len(segment), (len(tokens) if stop is None else stop * width) - start * width)
     limit //= width
     limit -= limit % page_size
     offset = start * width
-    if tokens.startswith(segment if limit * width == len(segment) else
-                         segment[:limit * width], offset):
+    if holds_at(tokens, offset, segment if limit * width == len(segment) else
+                segment[:limit * width]):
         return limit
     low, high = 0, limit // page_size - 1  # pages known equal / an upper bound that differs
     while low < high:
         middle = (low + high + 1) // 2
-        if tokens.startswith(segment[:middle * page_size * width], offset):
+        if holds_at(tokens, offset, segment[:middle * page_size * width]):
             low = middle
         else:
             high = middle - 1

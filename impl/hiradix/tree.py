@@ -1,10 +1,13 @@
 """Radix tree nodes and the one structural edit that needs care: splitting.
 
 A node holds a segment of tokens (a whole number of pages) and, per tier, an int64
-tensor of slots (one per token) or None. Slot tensors are never written in place (only
-read, released and replaced), so nodes cut from one tensor keep views of it. Counters are
-per node; every page of a node shares them, which is what makes the abstraction to
-per-page state exact (spec/06).
+tensor of slots (one per token) or None. The segment is kept packed only (native int64
+bytes, what matching compares): a tuple of ints beside it cost 8 B a token and, for a key
+built from a buffer, an int object per token, 40 B in all, and an insert's time to make
+them (issue 29); ``tokens`` decodes the bytes when a reader asks. Slot tensors are never
+written in place (only read, released and replaced), so nodes cut from one tensor keep
+views of it. Counters are per node; every page of a node shares them, which is what makes
+the abstraction to per-page state exact (spec/06).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import itertools
 
 import torch
 
-from hiradix.keys import TOKEN_BYTES, ChildKey, child_key, pack
+from hiradix.keys import TOKEN_BYTES, ChildKey, child_key
 
 _ids = itertools.count(1)
 
@@ -29,24 +32,23 @@ class TreeNode:
         "id",
         "insert_tick",
         "last_tick",
+        "length",
         "lock_ref",
         "namespace",
         "owner",
         "packed",
         "parent",
         "priority",
-        "tokens",
     )
 
-    def __init__(self, owner: object, namespace: str | None, tokens: tuple[int, ...],
-                 parent: TreeNode | None, tick: int = 0, priority: int = 0,
-                 packed: bytes | None = None) -> None:
+    def __init__(self, owner: object, namespace: str | None, packed: bytes,
+                 parent: TreeNode | None, tick: int = 0, priority: int = 0) -> None:
         self.owner = owner  # the cache this node belongs to (foreign-node checks)
         self.namespace = namespace
-        self.tokens = tokens  # this node's segment, a whole number of pages
-        # The segment packed for matching (keys.common_pages); a caller that holds the
-        # key's packed bytes passes their slice, which saves packing again.
-        self.packed = pack(tokens) if packed is None else packed
+        # This node's segment packed (keys.pack), a whole number of pages: bytes of its
+        # own, never a view of a caller's buffer (RadixKey.packed_span).
+        self.packed = packed
+        self.length = len(packed) // TOKEN_BYTES  # tokens in the segment
         self.parent = parent
         self.children: dict[ChildKey, TreeNode] = {}
         self.device: torch.Tensor | None = None  # int64 device slots, one per token
@@ -66,6 +68,11 @@ class TreeNode:
         tiers = ("D" if self.device is not None else "-") + ("H" if self.host is not None else "-")
         return (f"Node#{self.id}({self.namespace!r}, {list(self.tokens)}, {tiers}, "
                 f"lock={self.lock_ref}, host_ref={self.host_ref}, hits={self.hits})")
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The segment's token ids, decoded from ``packed`` on each call."""
+        return tuple(memoryview(self.packed).cast("q"))
 
     @property
     def on_device(self) -> bool:
@@ -90,7 +97,7 @@ class TreeNode:
 
     def prefix(self) -> tuple[int, ...]:
         """The full token prefix that ends with this node."""
-        return tuple(itertools.chain.from_iterable(n.tokens for n in reversed(self.path())))
+        return tuple(memoryview(b"".join([n.packed for n in reversed(self.path())])).cast("q"))
 
 
 def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
@@ -103,12 +110,11 @@ def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
     page, which the lower part (this object) keeps, so the upper part starts with none
     (its lock count is then exactly its child's, spec/03 3.7).
     """
-    assert 0 < at < len(node.tokens) and at % page_size == 0, (at, len(node.tokens))
+    assert 0 < at < node.length and at % page_size == 0, (at, node.length)
     parent = node.parent
     assert parent is not None
     cut = at * TOKEN_BYTES
-    upper = TreeNode(node.owner, node.namespace, node.tokens[:at], parent,
-                     packed=node.packed[:cut])
+    upper = TreeNode(node.owner, node.namespace, node.packed[:cut], parent)
     upper.lock_ref = node.lock_ref
     upper.host_ref = node.host_ref
     upper.hits = node.hits
@@ -125,8 +131,8 @@ def split(node: TreeNode, at: int, page_size: int) -> TreeNode:
         upper.host = node.host[:at]
         node.host = node.host[at:]
     parent.children[upper.child_key(page_size)] = upper
-    node.tokens = node.tokens[at:]
     node.packed = node.packed[cut:]
+    node.length -= at
     node.parent = upper
     upper.children[node.child_key(page_size)] = node
     return upper

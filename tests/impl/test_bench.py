@@ -10,6 +10,7 @@ import pytest
 from hiradix.bench import cache as bench
 from hiradix.bench import profile as bench_profile
 from hiradix.bench import scale as bench_scale
+from hiradix.bench.key_forms import FORMS, key_forms
 
 
 def test_options_fill_what_an_older_parser_lacks() -> None:
@@ -41,6 +42,12 @@ def test_the_scaling_rows_time_every_operation_on_ours(
     assert all(r[3].endswith("(3)") for r in rows), rows
     cached = [int(r[1].replace(",", "")) for r in rows[::len(bench_scale.SCALED_OPS)]]
     assert all(c >= p for c, p in zip(cached, checkpoints, strict=True)), (cached, checkpoints)
+
+
+def test_the_key_forms_rows_build_and_match_a_key_from_every_form() -> None:
+    rows = key_forms(page_size=4, tokens=64, repeats=2)
+    assert [r[0] for r in rows] == list(FORMS)
+    assert all(r[3] == "64" and float(r[1]) > 0 and float(r[2]) > 0 for r in rows), rows
 
 
 def test_the_bandwidth_rows_compare_each_copy_with_memcpy() -> None:

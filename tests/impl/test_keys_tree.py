@@ -56,8 +56,8 @@ def test_aligned_length_drops_the_partial_tail_page() -> None:
 
 
 def test_split_keeps_counters_and_the_lower_part_keeps_the_object() -> None:
-    root = TreeNode(None, None, (), None)
-    node = TreeNode(None, "ns", (1, 2, 3, 4), root, tick=5, priority=2)
+    root = TreeNode(None, None, b"", None)
+    node = TreeNode(None, "ns", pack((1, 2, 3, 4)), root, tick=5, priority=2)
     root.children[("ns", pack((1, 2)))] = node
     node.device = torch.tensor([10, 11, 12, 13])
     node.host = torch.tensor([0, 1, 2, 3])
@@ -66,6 +66,7 @@ def test_split_keeps_counters_and_the_lower_part_keeps_the_object() -> None:
     assert root.children[("ns", pack((1, 2)))] is upper
     assert upper.children[("ns", pack((3, 4)))] is node
     assert node.tokens == (3, 4) and upper.tokens == (1, 2)
+    assert (node.length, upper.length) == (2, 2)
     assert node.packed == pack((3, 4)) and upper.packed == pack((1, 2))
     assert upper.device.tolist() == [10, 11] and node.device.tolist() == [12, 13]
     assert upper.host.tolist() == [0, 1] and node.host.tolist() == [2, 3]
@@ -160,3 +161,50 @@ def test_a_key_shares_the_callers_ints_and_owns_no_list() -> None:
     as_list[0] = 7
     assert key.tokens == (1000, 2000, 3000)
     assert all(type(t) is int for t in RadixKey((IntSubclass(1), 2, 3)).tokens)
+
+
+def test_an_int64_buffer_or_cpu_tensor_is_borrowed_and_others_are_copied() -> None:
+    """Issue 29: a contiguous int64 buffer is read in place (the key's bytes change with
+    it, which is the caller's contract not to do), anything else is the key's own copy."""
+    borrowed = [array("q", [1, 2, 3]), numpy.array([1, 2, 3], dtype=numpy.int64),
+                torch.tensor([1, 2, 3], dtype=torch.int64)]
+    for source in borrowed:
+        key = RadixKey(source)  # type: ignore[arg-type]
+        source[0] = 9
+        assert key.span(0, 3) == (9, 2, 3), type(source)
+    copied = [torch.tensor([1, 2, 3], dtype=torch.int32),
+              torch.tensor([1, 0, 2, 0, 3, 0], dtype=torch.int64)[::2],
+              numpy.array([1, 0, 2, 0, 3, 0], dtype=numpy.int64)[::2], [1, 2, 3]]
+    for source in copied:
+        key = RadixKey(source)  # type: ignore[arg-type]
+        source[0] = 9
+        assert key.tokens == (1, 2, 3), type(source)
+
+
+def test_python_refuses_to_resize_an_array_a_key_borrows() -> None:
+    tokens = array("q", [1, 2, 3])
+    key = RadixKey(tokens)
+    with pytest.raises(BufferError):
+        tokens.append(4)
+    assert key.packed_span(0, 3) == pack((1, 2, 3)) and type(key.packed_span(0, 3)) is bytes
+    del key
+    tokens.append(4)  # the view went with the key
+
+
+def test_the_tree_keeps_its_own_copy_of_a_borrowed_keys_tokens() -> None:
+    """A match and an insert through borrowed keys; the caller's array changes after
+    (the key dropped): the cached tokens are still the inserted ones."""
+    from hiradix.clock import ManualClock
+    from hiradix.conformance.scenario import Scenario
+    cache = Scenario(page_size=1).build(ManualClock(1), None)  # type: ignore[arg-type]
+    tokens = array("q", [5, 6, 7, 8])
+    slots = cache.device_pool.alloc(4)
+    assert slots is not None
+    assert cache.insert(RadixKey(tokens), slots) == 0
+    tokens[1] = 0
+    tokens.append(9)
+    assert len(cache.match_prefix(RadixKey((5, 6, 7, 8))).device_slots) == 4
+    assert len(cache.match_prefix(RadixKey(tokens)).device_slots) == 1
+    assert len(cache.match_prefix(RadixKey(numpy.array([5, 6, 7, 1], dtype=numpy.int64))
+                                  ).device_slots) == 3
+    cache.check_invariants()

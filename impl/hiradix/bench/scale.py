@@ -11,7 +11,9 @@ operation are timed on every engine in turn:
 - key, match_prefix and insert: a new request behind a cached prefix, as an
   ``array('q')`` of token ids (key: building the match's key from it; match_prefix:
   that key and the match, which finds the prefix; insert: its own key and the
-  ``SUFFIX`` new tokens);
+  ``SUFFIX`` new tokens; insert+checks: that insert and the scheduler's next
+  ``writing_check``/``loading_check``, where SGLang makes the host copy that ours makes
+  in the insert under write-through);
 - evict: ``SUFFIX`` tokens (one leaf under LRU, the oldest request's suffix);
 - load_back: requests whose suffixes an engine holds on host only, served again (their
   host copies come back); each engine finds its own (eviction orders differ). The call
@@ -59,6 +61,8 @@ from hiradix.bench.cache import (
     competitors,
     peers_as_shipped,
 )
+from hiradix.bench.key_forms import LONG_PROMPT, key_forms
+from hiradix.bench.key_forms import REPEATS as KEY_REPEATS
 from hiradix.cache import HiRadixCache
 from hiradix.clock import CountingClock
 from hiradix.config import CacheConfig
@@ -68,7 +72,10 @@ from hiradix.keys import RadixKey
 from hiradix.transfer import make_engine
 
 PREFIXES = (8192, 16384, 32768)
-SCALED_OPS = ("key", "match_prefix", "insert", "evict", "load_back")
+# insert+checks: the insert and the scheduler's next checks together, like for like where
+# an engine copies to host in its insert (ours, write-through) or in its checks (SGLang's).
+SCALED_OPS = ("key", "match_prefix", "insert", "insert+checks", "evict", "load_back")
+HOST_ONLY_ROWS = ("insert+checks", "load_back")  # no row for an engine without a host tier
 SUFFIX = 1024
 PER_GROUP = 8
 PROBES = 8
@@ -204,8 +211,8 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
         _phase(engines, "match_prefix", samples, new_requests)
         order.extend(fresh)  # cached now: later evictions may take them first
         for engine in engines:
-            for op in ("key", "insert"):
-                samples[engine.name][op] = engine.t.samples[op]
+            for op in ("key", "insert", "insert+checks"):
+                samples[engine.name][op] = engine.t.samples.get(op, [])
         _phase(engines, "evict", samples, evictions)
         _phase(engines, "load_back", samples, reloads)
         cached = sum(g.cached for g in groups)
@@ -214,7 +221,7 @@ def _scale_one(page_size: int, target: int, seed: int, prefix_len: int,
             row = [f"{prefix_len:,}", f"{cached:,}", op,
                    _cell(ours, None)]
             for engine in engines[1:]:
-                if op == "load_back" and engine.name in DEVICE_ONLY:
+                if op in HOST_ONLY_ROWS and engine.name in DEVICE_ONLY:
                     row.append("-")
                 else:
                     row.append(_cell(samples[engine.name].get(op, []), ours))
@@ -345,7 +352,7 @@ def _print(head: list[str], rows: list[list[str]]) -> None:
 
 
 def report(page_size: int, target: int, seed: int) -> None:
-    """Print the three tables (scaling, memory, bandwidth)."""
+    """Print the four tables (scaling, memory, key forms, bandwidth)."""
     started = time.perf_counter()
     with peers_as_shipped():
         names, rows = scaling(page_size, target, seed)
@@ -356,6 +363,9 @@ def report(page_size: int, target: int, seed: int) -> None:
           "tier, not in the heap column):")
     _print(["engine", "cached tokens", "Python heap B/token", "resident growth B/token"],
            list(memory(page_size, target, seed)))
+    print(f"\nA key for a {LONG_PROMPT:,}-token prompt from each form its tokens may be in "
+          f"(ours, median µs of {KEY_REPEATS}; key+match: a cache holding the prompt):")
+    _print(["tokens as", "key µs", "key+match µs", "matched"], key_forms(page_size))
     print("\nHost copies against memcpy (ours; one op moves "
           f"{BANDWIDTH_TOKENS} tokens of {BANDWIDTH_LAYERS} layers):")
     _print(["copy", "MiB per layer", "GB/s best", "GB/s median", "share of memcpy best",

@@ -56,7 +56,7 @@ import torch
 from hiradix._slots import is_int
 from hiradix.clock import Clock, ManualClock, MonotonicClock
 from hiradix.events import EventKind, KVEvent
-from hiradix.keys import TOKEN_BYTES, RadixKey
+from hiradix.keys import RadixKey
 from hiradix.storage.backend import StorageBackend
 from hiradix.storage.cache_port import CachePort
 from hiradix.storage.config import PREFETCH_POLICIES, PrefetchPolicy, StorageConfig
@@ -431,7 +431,7 @@ class StorageTier:
         nodes = self.cache.descend(run.key, run.end * size)
         covered, position = [], 0
         for node in nodes:
-            low, high = position, position + len(node.tokens)
+            low, high = position, position + node.length
             position = high
             if high <= run.start * size:
                 continue
@@ -694,7 +694,7 @@ class StorageTier:
         for index in range(landed):
             page = prefetch.anchor + index
             nodes = cache.descend(key, (page + 1) * size)
-            depth = sum(len(n.tokens) for n in nodes)
+            depth = sum(n.length for n in nodes)
             if depth < (page + 1) * size:
                 assert depth == page * size, (depth, page)
                 parent = nodes[-1] if nodes else cache.root
@@ -713,16 +713,14 @@ class StorageTier:
         if not insert:
             return 0
         first, end = (prefetch.anchor + walked) * size, (prefetch.anchor + landed) * size
-        tokens = key.tokens[first:end]
-        node = TreeNode(cache, key.namespace, tokens, parent, now,
-                        parent.priority if parent is not cache.root else 0,
-                        packed=key.packed[first * TOKEN_BYTES:end * TOKEN_BYTES])
+        node = TreeNode(cache, key.namespace, key.packed_span(first, end), parent, now,
+                        parent.priority if parent is not cache.root else 0)
         node.host = keep.clone()
         parent.children[node.child_key(size)] = node
         cache.refresh_leaf_sets_around(node)
         if cache.event_channel.enabled:  # the prefetch insert (spec/11, 11.3)
             cache.event_channel.emit_pages("stored", "host", node.namespace, node.prefix(),
-                                           len(node.tokens), size)
+                                           node.length, size)
         return landed - walked
 
     @_serialised
