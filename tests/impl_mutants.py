@@ -30,7 +30,7 @@ from hiradix.conformance.explore import Mismatch, refine
 from hiradix.decisions import DeviceVictim
 from hiradix.keys import RadixKey
 from hiradix.policies import EvictionOrder
-from hiradix.transfer import Direction, TransferEngine
+from hiradix.transfer import ControlledCopyEngine, Direction, TransferEngine
 from hiradix.tree import TreeNode, split
 from hiradix_model.explore import Scope
 
@@ -39,6 +39,7 @@ REAL_MATCH = HiRadixCache.match_prefix
 REAL_INSERT = HiRadixCache.insert
 REAL_LOAD_BACK = HiRadixCache.load_back
 REAL_SUBMIT = TransferEngine.submit_unchecked
+REAL_LOADING_CHECK = HiRadixCache.loading_check
 
 
 # ----------------------------------------------------------------------------- the bugs
@@ -282,6 +283,22 @@ def insert_counts_adopted_pages(self: HiRadixCache, key: RadixKey, slots: torch.
                        counted_from=counted_from) + adopted
 
 
+def lone_load_left_unacknowledged(self: HiRadixCache) -> int:
+    """``loading_check`` acknowledges finished loads only when more than one has finished
+    (a loop bound of ``> 1`` where ``> 0`` is meant): a lone finished load stays pending,
+    its pages locked and not yet the device's.
+
+    Shows on the first loading_check after a single load finished. The model takes the
+    count a check reports, so only a check that compares it with the copies the copy
+    engine finished sees it (the explorer's lockstep, the conformance machine's
+    ``acknowledged``), which before issue 32's mend neither did.
+    """
+    engine = self.engine
+    finished = len(self.pending["h2d"]) - (
+        engine.queued("h2d") if isinstance(engine, ControlledCopyEngine) else 0)
+    return 0 if finished == 1 else REAL_LOADING_CHECK(self)
+
+
 # -------------------------------------------------------------------------- the catalogue
 
 
@@ -373,6 +390,9 @@ MUTANTS: tuple[Mutant, ...] = (
            mru_heap_not_rebuilt, siblings(2, 1, "write_back", "mru"), blind=HISTORY_BLIND),
     Mutant("insert_counts_adopted_pages", "return value only", HiRadixCache, "insert",
            insert_counts_adopted_pages, siblings(1, 1, "write_back", "lru")),
+    Mutant("lone_load_left_unacknowledged", "acknowledgement count", HiRadixCache,
+           "loading_check", lone_load_left_unacknowledged,
+           siblings(1, 1, "write_back", "lru")),
 )
 
 BY_NAME = {mutant.name: mutant for mutant in MUTANTS}

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from hiradix.conformance.machine import make_machine
@@ -70,3 +70,16 @@ def test_the_fixed_set_reaches_a_raising_sink_on_every_outcome() -> None:
     assert not missing, (missing, sink)
     print(f"sink reach, fixed set: {tally.examples} examples; {sink}")
     assert tally.ops["sink armed: raised"] > 0
+
+
+def test_a_check_that_leaves_a_finished_load_unacknowledged_fails_the_machine() -> None:
+    """The machine compares what a check acknowledged with the copies the copy engine
+    finished (issue 32: the model takes whatever count it is given). A planted
+    loading_check that leaves a lone finished load pending is caught."""
+    from impl_mutants import MUTANTS
+    mutant = next(m for m in MUTANTS if m.name == "lone_load_left_unacknowledged")
+    scenario = Scenario(page_size=1, write_policy="write_back", engine="controlled")
+    found = settings(max_examples=300, stateful_step_count=40, derandomize=True,
+                     deadline=None, database=None, phases=[Phase.generate])
+    with mutant.planted(), pytest.raises(AssertionError, match="had finished"):
+        run_state_machine_as_test(make_machine(scenario), settings=found)

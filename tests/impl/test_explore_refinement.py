@@ -62,6 +62,17 @@ def test_a_planted_tick_bug_is_found_at_its_least_depth(
     exec(compile(script, "<reproducer>", "exec"), {})  # the real implementation agrees
 
 
+def test_a_planted_check_that_acknowledges_nothing_is_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count a check acknowledged is compared with the copies that finished: one
+    that leaves a finished backup unacknowledged (its lock held, its host copy not yet
+    the node's) disagrees at the first writing_check."""
+    monkeypatch.setattr(HiRadixCache, "writing_check", lambda self: 0)
+    mismatch = refine(TINY).mismatch
+    assert mismatch is not None and mismatch.path[-1].name == "writing_check"
+    assert "returned 0, the model 1" in mismatch.reason
+
+
 def _least_depth_with_host_leaves(scope: Scope) -> int:
     """How few steps the model needs to reach a state with an evictable host leaf."""
     sources: list[int] = []

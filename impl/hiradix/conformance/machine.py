@@ -44,7 +44,7 @@ from hiradix.decisions import DeviceVictim, PageRef, Recorder
 from hiradix.errors import EventSinkError, ForeignNode, InvalidArgument, NotLocked
 from hiradix.events import EventLog, KVEvent
 from hiradix.keys import RadixKey
-from hiradix.transfer import ControlledCopyEngine
+from hiradix.transfer import ControlledCopyEngine, SyncCopyEngine
 from hiradix.tree import TreeNode
 from hiradix_model import (
     Backup,
@@ -629,11 +629,21 @@ def make_machine(scenario: Scenario, tally: Tally | None = None) -> type[RuleBas
 
         def acknowledged(self, direction: str, check: Callable[[], int]) -> int:
             """``check()``'s count; interrupted by the sink, the copies it took off the
-            queue (the state is whole, spec/11 11.7)."""
+            queue (the state is whole, spec/11 11.7). Where the copy engine says which
+            copies finished (ours, the harness's), the count must be those at the head of
+            the queue: the model takes the count it is given, so a check that leaves a
+            finished copy unacknowledged would otherwise pass for a slower engine."""
             queue = self.cache.pending[direction]  # type: ignore[index]
             before = len(queue)
+            engine = self.cache.engine
+            finished = (before - engine.queued(direction)  # type: ignore[arg-type]
+                        if isinstance(engine, ControlledCopyEngine)
+                        else before if isinstance(engine, SyncCopyEngine) else None)
             acked = self.call(check)
-            return before - len(queue) if acked is INTERRUPTED else int(acked)  # type: ignore[call-overload]
+            count = before - len(queue) if acked is INTERRUPTED else int(acked)  # type: ignore[call-overload]
+            assert finished is None or acked is INTERRUPTED or count == finished, (
+                f"the {direction} check acknowledged {count} copies; {finished} had finished")
+            return count
 
         @rule(index=st.integers(0, 63), quota=st.none() | st.integers(0, 24),
               leaf=st.booleans())

@@ -189,13 +189,17 @@ class Pair:
             report = Backup(tuple(map(_key, made[0].host_victims)), made[0].host_slots)
             return Action("write_backup", (page, report)), started
         if name in ("writing_check", "loading_check"):
+            # The request is the number of copies the copy engine finished; the model
+            # acknowledges that many, and the count the implementation acknowledged is
+            # its observation, compared with the model's (not the model's argument: that
+            # would only catch a count the model refuses).
             if name == "writing_check":
                 engine.complete("d2h", _int(args[0]))
                 acked = cache.writing_check()
             else:
                 engine.complete("h2d", _int(args[0]))
                 acked = cache.loading_check()
-            return Action(name, (acked,)), acked
+            return asked, acked
         if name == "load_back":
             page, quota = args
             assert isinstance(page, Key) and (quota is None or isinstance(quota, int))
