@@ -32,6 +32,7 @@ MODULES = [
     "hiradix_model.hybrid.match",
     "hiradix_model.hybrid.locks",
     "hiradix_model.hybrid.evict",
+    "hiradix_model.hybrid.host",
     # The (FULL, MAMBA) cache (spec/13m).
     "hiradix_model.mamba.pool",
     "hiradix_model.mamba.insert",

@@ -2,7 +2,8 @@
 
 ``healthy()`` is a small reachable (FULL, SWA) state: a 12-token path whose first 8
 tokens are tombstones, a live 4-token window locked by a running request, and a held
-pair. Each corruption breaks exactly what its ID forbids.
+pair. Each corruption breaks exactly what its ID forbids. The host tier's (13.8a) corrupt
+``with_host(healthy())``: the same state given host pools and a backup of its path.
 """
 
 from __future__ import annotations
@@ -68,6 +69,52 @@ def window_lock_leaked(s: H.SwaState) -> H.SwaState:
     return replace(s, released={PATH: 1})
 
 
+def with_host(s: H.SwaState) -> H.SwaState:
+    """``s`` with 16 host full and 8 host SWA slots, its 12-token path backed up root
+    first: every page gets a full host copy, the live window's 4 pages SWA host copies."""
+    config = replace(s.config, host_full_slots=16, host_swa_slots=8)
+    s = replace(s, config=config, host_full_free=frozenset(range(16)),
+                host_swa_free=frozenset(range(8)))
+    for n in range(1, 13):
+        targets = H.swa_backup_targets(s, _deep(n))
+        s = H.backup(s, _deep(n), (n - 1,), tuple(sorted(s.host_swa_free))[:len(targets)])
+    return s
+
+
+def _host(s: H.SwaState, key: Key, **changes: object) -> H.SwaState:
+    return replace(s, host={**s.host, key: replace(s.host[key], **changes)})  # type: ignore[arg-type]
+
+
+def host_orphan(s: H.SwaState) -> H.SwaState:
+    # A host copy kept for a page whose parent was deleted from both tiers.
+    s = with_host(s)
+    host = {Key((7, 7)): H.SwaHostPage(full=(12,), swa=None), **s.host}
+    return replace(s, host=host, host_full_free=s.host_full_free - {12},
+                   host_full_kv={**s.host_full_kv, 12: Key((7, 7))})
+
+
+def host_swa_without_full(s: H.SwaState) -> H.SwaState:
+    # A host eviction that freed a page's full host copy but kept its SWA host copy.
+    s = with_host(s)
+    return replace(_host(s, _deep(12), full=()),
+                   host_full_free=s.host_full_free | set(s.host[_deep(12)].full))
+
+
+def host_full_slot_twice(s: H.SwaState) -> H.SwaState:
+    s = with_host(s)
+    return replace(s, host_full_free=s.host_full_free | set(s.host[_deep(5)].full))
+
+
+def host_swa_leak(s: H.SwaState) -> H.SwaState:
+    # A host tombstoning that forgot to free the SWA host slots it dropped.
+    return _host(with_host(s), _deep(12), swa=None)
+
+
+def host_wrong_kv(s: H.SwaState) -> H.SwaState:
+    s = with_host(s)
+    return replace(s, host_swa_kv={**s.host_swa_kv, 0: Key((9,))})
+
+
 SWA_MUTANTS: dict[str, Callable[[H.SwaState], H.SwaState]] = {
     "INV-SWA-TREE-WELL-FORMED": orphan,
     "INV-SWA-ONLY-WITH-FULL": swa_without_full,
@@ -76,4 +123,9 @@ SWA_MUTANTS: dict[str, Callable[[H.SwaState], H.SwaState]] = {
     "INV-SWA-CONTENT": wrong_kv,
     "INV-SWA-LOCKS": tombstone_in_window,
     "INV-SWA-WINDOW-COUNT": window_lock_leaked,
+    "INV-SWA-HOST-TREE-WELL-FORMED": host_orphan,
+    "INV-SWA-HOST-ONLY-WITH-FULL": host_swa_without_full,
+    "INV-SWA-HOST-FULL-POOL": host_full_slot_twice,
+    "INV-SWA-HOST-POOL": host_swa_leak,
+    "INV-SWA-HOST-CONTENT": host_wrong_kv,
 }

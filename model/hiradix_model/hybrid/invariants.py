@@ -6,7 +6,7 @@ violation; ``check`` returns the failing IDs, ``violations`` the descriptions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from hiradix_model.components import Invariants, expected_kv, one_page, partition
 from hiradix_model.hybrid.state import (
@@ -25,18 +25,25 @@ SWA_INVARIANTS = _REGISTRY.predicates
 
 @swa_invariant("INV-SWA-TREE-WELL-FORMED")
 def tree_well_formed(state: SwaState) -> Iterator[str]:
-    ps = state.config.page_size
     for key, page in state.pages.items():
-        if not key.tokens or len(key.tokens) % ps:
-            yield f"{key}: length {len(key.tokens)} is not a positive multiple of {ps}"
-        parent = parent_page(key, ps)
-        if parent is not None and parent not in state.pages:
-            yield f"{key}: its parent page {parent} is not cached"
-        for pool, slots in (("full", page.full), ("swa", page.swa)):
-            if slots is None or not slots:
-                continue
-            if not one_page(slots, ps):
-                yield f"{key}: {pool} slots {slots} are not the {ps} slots of one page in order"
+        yield from _badly_formed(state, key, (("full", page.full), ("swa", page.swa)),
+                                 (state.pages,), "is not cached")
+
+
+def _badly_formed(state: SwaState, key: Key,
+                  copies: tuple[tuple[str, tuple[int, ...] | None], ...],
+                  tiers: tuple[Mapping[Key, object], ...], missing: str) -> Iterator[str]:
+    """A page's key is whole pages, its parent is in one of ``tiers``, and each copy is
+    one pool page in order (INV-SWA-TREE-WELL-FORMED, INV-SWA-HOST-TREE-WELL-FORMED)."""
+    ps = state.config.page_size
+    if not key.tokens or len(key.tokens) % ps:
+        yield f"{key}: length {len(key.tokens)} is not a positive multiple of {ps}"
+    parent = parent_page(key, ps)
+    if parent is not None and not any(parent in tier for tier in tiers):
+        yield f"{key}: its parent page {parent} {missing}"
+    for pool, slots in copies:
+        if slots and not one_page(slots, ps):
+            yield f"{key}: {pool} slots {slots} are not the {ps} slots of one page in order"
 
 
 @swa_invariant("INV-SWA-ONLY-WITH-FULL")
@@ -61,14 +68,21 @@ def swa_pool(state: SwaState) -> Iterator[str]:
 
 @swa_invariant("INV-SWA-CONTENT")
 def content(state: SwaState) -> Iterator[str]:
-    ps = state.config.page_size
     for key, page in state.pages.items():
-        for pool, slots, kv in (("full", page.full, state.full_kv),
-                                ("swa", page.swa, state.swa_kv)):
-            for offset, slot in enumerate(slots or ()):
-                want = expected_kv(key, offset, ps)
-                if kv.get(slot) != want:
-                    yield f"{key}: {pool} slot {slot} holds {kv.get(slot)}, not {want}"
+        yield from _wrong_kv(state, key, (("full", page.full, state.full_kv),
+                                          ("swa", page.swa, state.swa_kv)))
+
+
+Copy = tuple[str, "tuple[int, ...] | None", Mapping[int, Key]]
+
+
+def _wrong_kv(state: SwaState, key: Key, copies: tuple[Copy, ...]) -> Iterator[str]:
+    """Each slot of each (pool, slots, KV map) copy of ``key`` that does not hold its KV."""
+    for pool, slots, kv in copies:
+        for offset, slot in enumerate(slots or ()):
+            want = expected_kv(key, offset, state.config.page_size)
+            if kv.get(slot) != want:
+                yield f"{key}: {pool} slot {slot} holds {kv.get(slot)}, not {want}"
 
 
 @swa_invariant("INV-SWA-LOCKS")
@@ -107,6 +121,44 @@ def window_count(state: SwaState) -> Iterator[str]:
         if page.swa_lock != holding[key]:
             yield (f"{key}: swa_lock {page.swa_lock}, but {holding[key]} locks hold a "
                    "window covering it")
+
+
+# The host tier (13.8a). Without host slots these have nothing to check.
+
+
+@swa_invariant("INV-SWA-HOST-TREE-WELL-FORMED")
+def host_tree_well_formed(state: SwaState) -> Iterator[str]:
+    for key, page in state.host.items():
+        yield from _badly_formed(state, key, (("host full", page.full), ("host swa", page.swa)),
+                                 (state.pages, state.host), "is on no tier")
+
+
+@swa_invariant("INV-SWA-HOST-ONLY-WITH-FULL")
+def host_only_with_full(state: SwaState) -> Iterator[str]:
+    for key, page in state.host.items():
+        if not page.full:
+            yield f"{key}: a host copy without full host KV (host swa {page.swa})"
+
+
+@swa_invariant("INV-SWA-HOST-FULL-POOL")
+def host_full_pool(state: SwaState) -> Iterator[str]:
+    owned = (s for page in state.host.values() for s in page.full)
+    yield from partition("host full", state.config.host_full_slots, (
+        ("free", state.host_full_free), ("owned", owned)))
+
+
+@swa_invariant("INV-SWA-HOST-POOL")
+def host_swa_pool(state: SwaState) -> Iterator[str]:
+    owned = (s for page in state.host.values() for s in page.swa or ())
+    yield from partition("host swa", state.config.host_swa_slots, (
+        ("free", state.host_swa_free), ("owned", owned)))
+
+
+@swa_invariant("INV-SWA-HOST-CONTENT")
+def host_content(state: SwaState) -> Iterator[str]:
+    for key, page in state.host.items():
+        yield from _wrong_kv(state, key, (("host full", page.full, state.host_full_kv),
+                                          ("host swa", page.swa, state.host_swa_kv)))
 
 
 def check(state: SwaState) -> list[str]:

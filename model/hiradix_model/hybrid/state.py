@@ -25,6 +25,15 @@ class SwaPage:
 
 
 @dataclass(frozen=True)
+class SwaHostPage:
+    """One page's host copies (13.8a): its full host slots, its SWA host slots (None: a
+    host tombstone). Host copies hold no locks: the model's load back is atomic."""
+
+    full: tuple[int, ...]
+    swa: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
 class SwaState:
     """The whole abstract hybrid cache. Treat every field as immutable."""
 
@@ -37,6 +46,12 @@ class SwaState:
     swa_kv: Mapping[int, Key]
     # locks taken at a page whose SWA part was released early (absent: none), 13.2
     released: Mapping[Key, int] = field(default_factory=dict)
+    # The host tier (13.8a); empty without host slots, so a device-only cache is as before.
+    host: Mapping[Key, SwaHostPage] = field(default_factory=dict)
+    host_full_free: frozenset[int] = frozenset()
+    host_swa_free: frozenset[int] = frozenset()
+    host_full_kv: Mapping[int, Key] = field(default_factory=dict)
+    host_swa_kv: Mapping[int, Key] = field(default_factory=dict)
 
 
 def initial(config: SwaConfig) -> SwaState:
@@ -49,6 +64,8 @@ def initial(config: SwaConfig) -> SwaState:
         held={},
         full_kv={},
         swa_kv={},
+        host_full_free=frozenset(range(config.host_full_slots)),
+        host_swa_free=frozenset(range(config.host_swa_slots)),
     )
 
 
@@ -73,9 +90,27 @@ def window_live(state: SwaState, page: Key) -> bool:
 
 
 def full_leaves(state: SwaState) -> set[Key]:
-    """Unlocked cached pages with no cached child: what a full eviction may delete."""
+    """Unlocked cached pages with no cached child: what a full eviction may delete.
+    With a host tier, not a page whose host-only child would lose its parent (13.8a)."""
     parents = {parent_page(k, state.config.page_size) for k in state.pages}
+    parents |= {parent_page(k, state.config.page_size) for k in host_only(state)} - set(state.host)
     return {k for k, p in state.pages.items() if p.lock == 0 and k not in parents}
+
+
+def host_only(state: SwaState) -> set[Key]:
+    """Pages with a host copy and no device copy (13.8a)."""
+    return set(state.host) - set(state.pages)
+
+
+def swa_somewhere(state: SwaState, page: Key) -> bool:
+    """Whether ``page`` has SWA KV on the device or on the host (13.8a)."""
+    device, host = state.pages.get(page), state.host.get(page)
+    return (device is not None and device.live) or (host is not None and host.swa is not None)
+
+
+def window_somewhere(state: SwaState, page: Key) -> bool:
+    """Whether every page of ``page``'s window has SWA KV on some tier (13.8a)."""
+    return all(swa_somewhere(state, k) for k in window(state, page))
 
 
 def swa_candidates(state: SwaState) -> set[Key]:
