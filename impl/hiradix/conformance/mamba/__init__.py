@@ -1,1 +1,1 @@
-"""Checking (FULL, MAMBA) caches against spec/13 (13.11): protocol, abstraction, machine."""
+"""Checking (FULL, MAMBA) caches against spec/13m (13m.8): protocol, abstraction, machine."""

@@ -1,4 +1,4 @@
-"""The protocol a (FULL, MAMBA) cache speaks to the Mamba machine (spec/13, 13.11).
+"""The protocol a (FULL, MAMBA) cache speaks to the Mamba machine (spec/13m, 13m.8).
 
 A Mamba (recurrent, SSM) layer keeps no per-token KV: after a prefix it holds one
 fixed-size *state*. A cache of such a model keeps, beside each cached page's full
