@@ -412,6 +412,41 @@ def test_sglang_with_hicache_refines_the_model(config: SwaConfig, policy: WriteP
     assert reached["checks"] > reached["examples"] and reached["host-only"]
 
 
+def host_swa_backup_rotated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SWA backup's commit hands each node its host slots rotated by one (an offset
+    off by one within the transfer): the host pool's partition is intact, and only the
+    host KV under each slot is wrong, which SGLang's sanity_check and the pool partition
+    (``_host_problems``) cannot see."""
+    swa = swa_component()
+    original = swa.SWAComponent.commit_hicache_transfer
+
+    def commit(self: Any, node: Any, phase: Any, *args: Any, **kwargs: Any) -> Any:
+        done = original(self, node, phase, *args, **kwargs)
+        if phase == swa.CacheTransferPhase.BACKUP_HOST:
+            for target in [node, *node.children.values()]:
+                value = target.component_data[self.component_type].host_value
+                if value is not None and len(value) > 1:
+                    target.component_data[self.component_type].host_value = value.roll(1)
+        return done
+
+    monkeypatch.setattr(swa.SWAComponent, "commit_hicache_transfer", commit)
+
+
+def test_a_planted_host_swa_backup_bug_fails_the_host_invariants(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host view (spec/13 13.8a) can fail: rotated SWA host slots break
+    INV-SWA-HOST-CONTENT while SGLang's own checks pass; unplanted, the same seeded
+    run passes."""
+    config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
+    settings = bounded(200)
+    run_state_machine_as_test(make_swa_machine(build_hicache("write_through"), config),
+                              settings=settings)
+    host_swa_backup_rotated(monkeypatch)
+    with pytest.raises(AssertionError, match="INV-SWA-HOST-CONTENT"):
+        run_state_machine_as_test(make_swa_machine(build_hicache("write_through"), config),
+                                  settings=settings)
+
+
 # -- evict_for_alloc: the eviction the server's allocator makes (spec/13 13.3) ---------------
 
 def test_an_allocations_eviction_stops_each_pool_at_its_target() -> None:

@@ -16,13 +16,22 @@ import torch
 from hybrid_support import bounded, heal_a_locked_tombstone
 from hypothesis.stateful import run_state_machine_as_test
 
+from hiradix.conformance.hybrid.abstraction import Codes, abstract, host_problems, with_host
 from hiradix.conformance.hybrid.campaign import hybrid_configs
+from hiradix.conformance.hybrid.engine import (
+    SwaHostPageView,
+    SwaHostView,
+    SwaPageView,
+    SwaView,
+)
 from hiradix.conformance.hybrid.machine import make_swa_machine
 from hiradix.engines.ours.swa import build
 from hiradix.hybrid.cache import SwaCache
 from hiradix.hybrid.pools import SwaPools
 from hiradix.hybrid.tree import SwaTree
-from hiradix_model.hybrid import SwaConfig
+from hiradix_model import Key
+from hiradix_model.components import expected_kv
+from hiradix_model.hybrid import SwaConfig, SwaState
 
 
 @pytest.mark.parametrize("config", hybrid_configs([1, 2, 4]), ids=str)
@@ -117,3 +126,33 @@ def test_healing_that_frees_a_locked_pages_full_slots_fails(
     heal_under_lock(monkeypatch)
     with pytest.raises(Exception, match="which a running request reads"):
         heal_a_locked_tombstone(build)
+
+
+# -- the host view's judge (spec/13 13.8a): what an engine's host tier is held to ----------
+
+def _host_state(full: tuple[int, ...]) -> tuple[SwaState, Key]:
+    """A one-page cache whose page has an SWA host copy, and a full host one if ``full``;
+    the page's KV written under the machine's codes."""
+    config = SwaConfig(page_size=1, full_slots=4, swa_slots=4, window=1)
+    key, codes = Key((7,), None), Codes()
+    code = codes.code(expected_kv(key, 0, 1))
+    view = SwaView(pages={key: SwaPageView(full=(0,), swa=(0,), lock=0, swa_lock=0)},
+                   full_free=frozenset({1, 2, 3}), swa_free=frozenset({1, 2, 3}),
+                   pairs={0: 0}, full_kv={0: code}, swa_kv={0: code}, own_check=None)
+    host = SwaHostView(pages={key: SwaHostPageView(full=full, swa=(1,))}, full_slots=2,
+                       swa_slots=2, full_free=frozenset({0, 1}) - set(full),
+                       swa_free=frozenset({0}), full_kv={s: code for s in full},
+                       swa_kv={1: code})
+    return with_host(abstract(view, config, codes), host, codes), key
+
+
+def test_the_host_judge_passes_a_whole_host_copy_and_names_a_missing_full_one() -> None:
+    whole, _ = _host_state((1,))
+    assert host_problems(whole, {}) == []
+    alone, key = _host_state(())
+    assert [p.split(":")[0] for p in host_problems(alone, {})] == [
+        "INV-SWA-HOST-ONLY-WITH-FULL"]
+    # DEV-H11 exempts that page from that invariant only; a pool is never exempt.
+    assert host_problems(alone, {"INV-SWA-HOST-ONLY-WITH-FULL": frozenset({key})}) == []
+    with pytest.raises(AssertionError, match="per-page"):
+        host_problems(alone, {"INV-SWA-HOST-POOL": frozenset({key})})

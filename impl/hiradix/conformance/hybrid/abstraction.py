@@ -10,10 +10,15 @@ full slot, for a tombstone, or one that disagrees with a page's SWA copy) is rep
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 
-from hiradix.conformance.hybrid.engine import SwaView
+from hiradix.conformance.hybrid.engine import SwaHostView, SwaView
 from hiradix_model import Key
-from hiradix_model.hybrid import SwaConfig, SwaPage, SwaState
+from hiradix_model.hybrid import SWA_INVARIANTS, SwaConfig, SwaHostPage, SwaPage, SwaState
+
+# The host tier's invariants (spec/13, 13.8a), in spec order.
+HOST_INVARIANTS = ("INV-SWA-HOST-TREE-WELL-FORMED", "INV-SWA-HOST-ONLY-WITH-FULL",
+                   "INV-SWA-HOST-FULL-POOL", "INV-SWA-HOST-POOL", "INV-SWA-HOST-CONTENT")
 
 
 class Codes:
@@ -65,3 +70,34 @@ def mapping_problems(view: SwaView) -> Iterator[str]:
         if slot in view.pairs:
             yield (f"INV-SWA-SWA-POOL: free full slot {slot} still maps to SWA slot "
                    f"{view.pairs[slot]}")
+
+
+def with_host(state: SwaState, host: SwaHostView, codes: Codes) -> SwaState:
+    """``state`` (a device abstraction) with the host tier ``host`` reports (13.8a)."""
+    config = replace(state.config, host_full_slots=host.full_slots,
+                     host_swa_slots=host.swa_slots)
+    return replace(state, config=config,
+                   host={key: SwaHostPage(full=p.full, swa=p.swa)
+                         for key, p in host.pages.items()},
+                   host_full_free=host.full_free, host_swa_free=host.swa_free,
+                   host_full_kv=codes.decode(host.full_kv),
+                   host_swa_kv=codes.decode(host.swa_kv))
+
+
+# The per-page host invariants a deviation may exempt pages from; the pools' partitions
+# are whole-pool statements, which no page can be taken out of.
+PER_PAGE = frozenset({"INV-SWA-HOST-TREE-WELL-FORMED", "INV-SWA-HOST-ONLY-WITH-FULL",
+                      "INV-SWA-HOST-CONTENT"})
+
+
+def host_problems(state: SwaState, exempt: Mapping[str, frozenset[Key]]) -> list[str]:
+    """The host invariants ``state`` breaks (13.8a), each judged without the host pages
+    ``exempt`` takes out of it (a labelled deviation's)."""
+    assert set(exempt) <= PER_PAGE, f"only per-page invariants take exemptions: {exempt}"
+    failures = []
+    for spec_id in HOST_INVARIANTS:
+        out = exempt.get(spec_id, frozenset())
+        judged = replace(state, host={k: p for k, p in state.host.items() if k not in out}) \
+            if out else state
+        failures += (f"{spec_id}: {found}" for found in SWA_INVARIANTS[spec_id](judged))
+    return failures

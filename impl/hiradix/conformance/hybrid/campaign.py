@@ -34,8 +34,12 @@ def hybrid_configs(page_sizes: Sequence[int]) -> list[SwaConfig]:
 class HybridCampaign(ComponentCampaign):
     components = "(FULL, SWA)"
     reach = REACH
+    # With a host tier: the pages held to 13.8a's invariants, and how often a labelled
+    # deviation of the engine's configuration (DEV-H11) was met rather than failed.
     reach_when = (("scheduled_examples", REACH_SCHEDULED),
-                  ("alloc_evicting_examples", ("evict_for_alloc",)))
+                  ("alloc_evicting_examples", ("evict_for_alloc",)),
+                  ("host_checks", ("host_pages_seen",)),
+                  ("host_deviation_checks", ("host_deviations_met",)))
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,

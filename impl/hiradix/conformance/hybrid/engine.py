@@ -15,7 +15,7 @@ what ``SwaView.pairs`` reports, every entry it holds, live or stale).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from hiradix_model import Key
@@ -35,6 +35,32 @@ class SwaPageView:
 
 
 @dataclass(frozen=True)
+class SwaHostPageView:
+    """One page's host copies as the engine holds them (spec/13, 13.8a)."""
+
+    full: tuple[int, ...]  # its full host slots; () where it has none (DEV-H11)
+    swa: tuple[int, ...] | None  # its SWA host slots; None: a host tombstone
+
+
+@dataclass(frozen=True)
+class SwaHostView:
+    """The engine's host tier (spec/13, 13.8a), held to the host invariants after every
+    step (not yet to the host operations: the machine does not drive them)."""
+
+    pages: Mapping[Key, SwaHostPageView]  # every page with a host copy of either kind
+    full_slots: int  # the host full pool's size
+    swa_slots: int  # the host SWA pool's size
+    full_free: frozenset[int]  # host full slots an allocation could hand out
+    swa_free: frozenset[int]
+    full_kv: Mapping[int, int]  # host full slot held by a page -> the code it holds
+    swa_kv: Mapping[int, int]
+    # Pages a labelled deviation exempts from a per-page host invariant, by its ID (e.g.
+    # INV-SWA-HOST-ONLY-WITH-FULL under write_back, DEV-H11: a page still on the device
+    # with an SWA host copy and no full one): counted, not failed. Never a pool's.
+    exempt: Mapping[str, frozenset[Key]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SwaView:
     """Everything of the engine's cache the abstraction reads (spec/13, 13.8)."""
 
@@ -45,6 +71,7 @@ class SwaView:
     full_kv: Mapping[int, int]  # full slot -> the code last written into it
     swa_kv: Mapping[int, int]  # SWA slot -> the code last written into it
     own_check: str | None  # the engine's own consistency check: None if it passed, else why
+    host: SwaHostView | None = None  # the host tier, where the engine has one (13.8a)
 
 
 class SwaEngine(Protocol):

@@ -36,7 +36,13 @@ from typing import Any, Protocol, runtime_checkable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from hiradix.conformance.hybrid.abstraction import Codes, abstract, mapping_problems
+from hiradix.conformance.hybrid.abstraction import (
+    Codes,
+    abstract,
+    host_problems,
+    mapping_problems,
+    with_host,
+)
 from hiradix.conformance.hybrid.engine import AllocEvictingSwaEngine, SwaEngine
 from hiradix.conformance.victims import (
     NoOrder,
@@ -245,8 +251,15 @@ def make_swa_machine(build: Build, config: SwaConfig,
             problems = [f"engine's own check: {view.own_check}"] if view.own_check else []
             problems += mapping_problems(view)
             problems += model.violations(self.model)
-            problems += state_problems(abstract(view, config, self.codes), self.model,
-                                       self.node_locks)
+            engine_state = abstract(view, config, self.codes)
+            problems += state_problems(engine_state, self.model, self.node_locks)
+            if view.host is not None:  # the host tier, to 13.8a's invariants
+                seen["host_checks"] += 1
+                seen["host_pages_seen"] += len(view.host.pages)
+                seen["host_deviation_checks"] += bool(view.host.exempt)
+                seen["host_deviations_met"] += sum(map(len, view.host.exempt.values()))
+                problems += host_problems(with_host(engine_state, view.host, self.codes),
+                                          view.host.exempt)
             assert not problems, f"after {step}:\n  " + "\n  ".join(problems)
 
         def match(self, key: Key) -> model.SwaMatch:

@@ -54,14 +54,20 @@ from __future__ import annotations
 import importlib
 import math
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from hiradix.conformance.hybrid.engine import LockGranularity, SwaPageView, SwaView
+from hiradix.conformance.hybrid.engine import (
+    LockGranularity,
+    SwaHostPageView,
+    SwaHostView,
+    SwaPageView,
+    SwaView,
+)
 from hiradix.engines.protocol import EngineUnavailable, probe_engine
 from hiradix.engines.sglang.unified import (
     UnifiedEnv,
@@ -165,6 +171,22 @@ def _codes(buffer: torch.Tensor, slots: range) -> dict[int, int]:
     """slot -> code in layer-0 K for the written slots (NaN: never written)."""
     values = buffer[slots.start:slots.stop, 0, 0].tolist()
     return {slot: int(v) for slot, v in zip(slots, values, strict=True) if not math.isnan(v)}
+
+
+def _host_free(pool: Any) -> frozenset[int]:
+    """A host pool's free slots, the frees it has staged included."""
+    return frozenset(pool.free_slots.tolist()
+                     + [s for part in pool.release_slots for s in part.tolist()])
+
+
+def _host_codes(pool: Any, slots: set[int]) -> dict[int, int]:
+    """host slot -> code in layer-0 K of a ``layer_first`` host pool, for ``slots``."""
+    if pool.layout != "layer_first":
+        raise AssertionError(f"{NAME}: host KV is read from layer_first pools only, "
+                             f"got {pool.layout}")
+    values = pool.kv_buffer[0, 0, :, 0, 0].tolist()
+    return {slot: int(values[slot]) for slot in sorted(slots)
+            if not math.isnan(values[slot])}
 
 
 class SwaPoolPair:
@@ -829,7 +851,45 @@ class SglangSwaAdapter:
                     full=self._out(full[cut]), swa=None if swa is None else self._out(swa[cut]),
                     lock=int(full_cd.lock_ref), swa_lock=int(swa_cd.lock_ref))
         return SwaView(pages=pages, **self.pools.view_fields(),
-                       own_check="; ".join([*stray, *self._own_check()]) or None)
+                       own_check="; ".join([*stray, *self._own_check()]) or None,
+                       host=None if self.hicache is None else self._host_view(pages))
+
+    def _host_view(self, on_device: Collection[Key]) -> SwaHostView:
+        """The host tier as 13.8a's state: per page of each node with a host value, its
+        host full and SWA slots (a node's host value covers the whole node, DEV-H12),
+        each host pool's free slots (``free_slots`` and the staged ``release_slots``),
+        and the code layer 0's K holds in each held host slot (``kv_buffer`` of a
+        ``layer_first`` host pool: [K/V, layer, slot, head, dim])."""
+        pages: dict[Key, SwaHostPageView] = {}
+        held: dict[Any, set[int]] = {self.full_ct: set(), self.swa_ct: set()}
+        for here in self._nodes():
+            full_cd = here.node.component_data[self.full_ct]
+            swa_cd = here.node.component_data[self.swa_ct]
+            if full_cd.host_value is None and swa_cd.host_value is None:
+                continue
+            full = [] if full_cd.host_value is None else full_cd.host_value.tolist()
+            swa = None if swa_cd.host_value is None else swa_cd.host_value.tolist()
+            held[self.full_ct].update(full)
+            held[self.swa_ct].update(swa or ())
+            tokens = tuple(here.node.key.token_ids)
+            for start in range(0, len(tokens), self.ps):
+                cut = slice(start, start + self.ps)
+                pages[Key(here.prefix + tokens[:start + self.ps], None)] = SwaHostPageView(
+                    full=tuple(full[cut]), swa=None if swa is None else tuple(swa[cut]))
+        full_pool, swa_pool = self.cache.full_kv_pool_host, self.cache.swa_kv_pool_host
+        # DEV-H11: under write_back a node is backed up alone, and host pressure reclaims
+        # full host copies while their SWA host copies stay -- on pages whose device full
+        # copy is still there. A host-only page without a full host copy is no part of it.
+        exempt = {"INV-SWA-HOST-ONLY-WITH-FULL": frozenset(
+            key for key, page in pages.items() if not page.full and key in on_device)} \
+            if self.hicache == "write_back" else {}
+        return SwaHostView(
+            pages=pages, full_slots=int(full_pool.logical_size),
+            swa_slots=int(swa_pool.logical_size), full_free=_host_free(full_pool),
+            swa_free=_host_free(swa_pool),
+            full_kv=_host_codes(full_pool, held[self.full_ct]),
+            swa_kv=_host_codes(swa_pool, held[self.swa_ct]),
+            exempt={spec_id: keys for spec_id, keys in exempt.items() if keys})
 
     def _own_check(self) -> list[str]:
         """SGLang's ``sanity_check`` (tree, leaf sets, LRUs, size counters; with HiCache
