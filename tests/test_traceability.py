@@ -12,6 +12,7 @@ from swa_mutants import SWA_MUTANTS
 from hiradix_model import INVARIANTS
 from hiradix_model.flat import BYTES_INVARIANT, FLAT_INVARIANTS
 from hiradix_model.hybrid import HOST_MATCH_INVARIANT, MATCH_INVARIANT, SWA_INVARIANTS
+from hiradix_model.mamba import HOST_MATCH_INVARIANT as MAMBA_HOST_MATCH_INVARIANT
 from hiradix_model.mamba import MAMBA_INVARIANTS
 from hiradix_model.mamba import MATCH_INVARIANT as MAMBA_MATCH_INVARIANT
 from hiradix_model.ranks import RANK_INVARIANTS
@@ -28,11 +29,12 @@ MENTION = re.compile(r"INV-[A-Z0-9]+(?:-[A-Z0-9]+)*")
 # The single-rank invariants (predicates over a State), the rank invariants of spec/12
 # (predicates over every rank's record) and the hybrid ones of spec/13 and 13m (over an
 # SwaState or a MambaState; the match invariants over a state and a match, tested by
-# test_hybrid, test_hybrid_host, test_mamba and the machines).
+# test_hybrid, test_hybrid_host, test_mamba, test_mamba_host and the machines).
 # LMCache's flat tiers (spec/15 15.6) likewise, INV-FLAT-BYTES over what a retrieve served.
 PAGES = ("05-invariants.md", "12-ranks.md", "13-components.md", "13m-mamba.md",
          "15-lmcache.md")
-MATCHES = {MATCH_INVARIANT, HOST_MATCH_INVARIANT, MAMBA_MATCH_INVARIANT, BYTES_INVARIANT}
+MATCHES = {MATCH_INVARIANT, HOST_MATCH_INVARIANT, MAMBA_MATCH_INVARIANT,
+           MAMBA_HOST_MATCH_INVARIANT, BYTES_INVARIANT}
 HYBRID = set(SWA_INVARIANTS) | set(MAMBA_INVARIANTS) | set(FLAT_INVARIANTS) | MATCHES
 
 

@@ -35,3 +35,22 @@ def require_whole_pages(slots: Sequence[int], page_size: int, argument: str) -> 
         page = slots[start:start + page_size]
         require(first % page_size == 0 and all(s == first + i for i, s in enumerate(page)),
                 argument, f"{tuple(page)} is not one page in order")
+
+
+def require_free(slots: object, free: frozenset[int], count: int, argument: str,
+                 page_size: int) -> None:
+    """``slots`` are ``count`` distinct slots of ``free``, whole pages in order (R7)."""
+    checked = require_slots(slots, argument)
+    require(len(checked) == count, argument, f"must be {count} slots")
+    require_whole_pages(checked, page_size, argument)
+    require(set(checked) <= free, argument, "are not all free slots of their pool")
+
+
+def require_optional_slot(slot: object, free: frozenset[int], needed: bool,
+                          argument: str) -> None:
+    """``slot`` is a slot of ``free`` where one is ``needed``, else None."""
+    if not needed:
+        require(slot is None, argument, "must be None: there is nothing to put in it")
+        return
+    require(isinstance(slot, int) and not isinstance(slot, bool), argument, "must be an int")
+    require(slot in free, argument, f"slot {slot!r} is not a free slot of its pool")

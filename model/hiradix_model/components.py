@@ -148,3 +148,21 @@ def run_victims(state: S, target: int, victims: Sequence[Key], *, argument: str,
         raise IllegalChoice(f"victims: freed {done} < {target} while "
                             f"{len(allowed(state))} pages could still go")
     return state, done
+
+
+def badly_formed(key: Key, page_size: int,
+                 copies: tuple[tuple[str, tuple[int, ...] | None], ...],
+                 tiers: tuple[Mapping[Key, object], ...], missing: str) -> Iterator[str]:
+    """A page's key is whole pages, its parent is in one of ``tiers``, and each non-empty
+    copy (pool name, slots) is one pool page in order: the tree well-formedness of the
+    component models' tiers (INV-SWA-TREE-WELL-FORMED, INV-SWA-HOST-TREE-WELL-FORMED,
+    INV-MAMBA-HOST-TREE-WELL-FORMED)."""
+    if not key.tokens or len(key.tokens) % page_size:
+        yield f"{key}: length {len(key.tokens)} is not a positive multiple of {page_size}"
+    parent = parent_page(key, page_size)
+    if parent is not None and not any(parent in tier for tier in tiers):
+        yield f"{key}: its parent page {parent} {missing}"
+    for pool, slots in copies:
+        if slots and not one_page(slots, page_size):
+            yield (f"{key}: {pool} slots {slots} are not the {page_size} slots of one page "
+                   "in order")

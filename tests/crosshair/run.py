@@ -39,6 +39,7 @@ MODULES = [
     "hiradix_model.mamba.match",
     "hiradix_model.mamba.locks",
     "hiradix_model.mamba.evict",
+    "hiradix_model.mamba.host",
     # LMCache's flat CPU and disk tiers (spec/15 15.5).
     "hiradix_model.flat.store",
     "hiradix_model.flat.lookup",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from hiradix_model.component_args import require, require_key, require_slots, require_whole_pages
+from hiradix_model.component_args import require, require_free, require_key
 from hiradix_model.components import cached_run, run_victims
 from hiradix_model.errors import IllegalChoice, PreconditionError  # noqa: F401 (contracts)
 from hiradix_model.hybrid.invariants import check  # noqa: F401 (contracts)
@@ -39,15 +39,6 @@ def swa_backup_targets(state: SwaState, page: Key) -> list[Key]:
     return targets[::-1]
 
 
-def _require_free(slots: tuple[int, ...], free: frozenset[int], count: int, argument: str,
-                  page_size: int) -> None:
-    """``slots`` are ``count`` distinct slots of ``free``, whole pages in order (R7)."""
-    require_slots(slots, argument)
-    require(len(slots) == count, argument, f"must be {count} slots")
-    require_whole_pages(slots, page_size, argument)
-    require(set(slots) <= free, argument, "are not all free slots of their pool")
-
-
 def backup(state: SwaState, page: Key, full: tuple[int, ...], swa: tuple[int, ...]) -> SwaState:
     """Copy the device page ``page`` to the host: its full KV into ``full`` (P host full
     slots, or none where it has a full host copy already), and the SWA KV of
@@ -61,9 +52,9 @@ def backup(state: SwaState, page: Key, full: tuple[int, ...], swa: tuple[int, ..
     require_key(page, "page")
     require(page in state.pages, "page", "is not on the device")
     ps = state.config.page_size
-    _require_free(full, state.host_full_free, 0 if page in state.host else ps, "full", ps)
+    require_free(full, state.host_full_free, 0 if page in state.host else ps, "full", ps)
     targets = swa_backup_targets(state, page)
-    _require_free(swa, state.host_swa_free, ps * len(targets), "swa", ps)
+    require_free(swa, state.host_swa_free, ps * len(targets), "swa", ps)
     host, full_kv, swa_kv = dict(state.host), dict(state.host_full_kv), dict(state.host_swa_kv)
     if full:
         host[page] = SwaHostPage(full=full, swa=None)
@@ -180,8 +171,8 @@ def load_back(state: SwaState, page: Key, full: tuple[int, ...],
     require(bool(to_full or to_swa), "page", "has nothing to load: its path and window "
             "are on the device")
     ps = state.config.page_size
-    _require_free(full, state.full_free, ps * len(to_full), "full", ps)
-    _require_free(swa, state.swa_free, ps * len(to_swa), "swa", ps)
+    require_free(full, state.full_free, ps * len(to_full), "full", ps)
+    require_free(swa, state.swa_free, ps * len(to_swa), "swa", ps)
     pages, full_kv, swa_kv = dict(state.pages), dict(state.full_kv), dict(state.swa_kv)
     for index, key in enumerate(to_full):
         mine = full[index * ps:(index + 1) * ps]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from hiradix_model.components import Invariants, expected_kv, one_page, partition
+from hiradix_model.components import Invariants, badly_formed, expected_kv, partition
 from hiradix_model.hybrid.state import (
     SwaState,
     owned_full,
@@ -26,24 +26,9 @@ SWA_INVARIANTS = _REGISTRY.predicates
 @swa_invariant("INV-SWA-TREE-WELL-FORMED")
 def tree_well_formed(state: SwaState) -> Iterator[str]:
     for key, page in state.pages.items():
-        yield from _badly_formed(state, key, (("full", page.full), ("swa", page.swa)),
-                                 (state.pages,), "is not cached")
-
-
-def _badly_formed(state: SwaState, key: Key,
-                  copies: tuple[tuple[str, tuple[int, ...] | None], ...],
-                  tiers: tuple[Mapping[Key, object], ...], missing: str) -> Iterator[str]:
-    """A page's key is whole pages, its parent is in one of ``tiers``, and each copy is
-    one pool page in order (INV-SWA-TREE-WELL-FORMED, INV-SWA-HOST-TREE-WELL-FORMED)."""
-    ps = state.config.page_size
-    if not key.tokens or len(key.tokens) % ps:
-        yield f"{key}: length {len(key.tokens)} is not a positive multiple of {ps}"
-    parent = parent_page(key, ps)
-    if parent is not None and not any(parent in tier for tier in tiers):
-        yield f"{key}: its parent page {parent} {missing}"
-    for pool, slots in copies:
-        if slots and not one_page(slots, ps):
-            yield f"{key}: {pool} slots {slots} are not the {ps} slots of one page in order"
+        yield from badly_formed(key, state.config.page_size,
+                                (("full", page.full), ("swa", page.swa)),
+                                (state.pages,), "is not cached")
 
 
 @swa_invariant("INV-SWA-ONLY-WITH-FULL")
@@ -129,8 +114,9 @@ def window_count(state: SwaState) -> Iterator[str]:
 @swa_invariant("INV-SWA-HOST-TREE-WELL-FORMED")
 def host_tree_well_formed(state: SwaState) -> Iterator[str]:
     for key, page in state.host.items():
-        yield from _badly_formed(state, key, (("host full", page.full), ("host swa", page.swa)),
-                                 (state.pages, state.host), "is on no tier")
+        yield from badly_formed(key, state.config.page_size,
+                                (("host full", page.full), ("host swa", page.swa)),
+                                (state.pages, state.host), "is on no tier")
 
 
 @swa_invariant("INV-SWA-HOST-ONLY-WITH-FULL")

@@ -6,11 +6,17 @@ violation; ``check`` returns the failing IDs, ``violations`` the descriptions.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
-from hiradix_model.components import Invariants, expected_kv, one_page, partition
+from hiradix_model.components import Invariants, badly_formed, expected_kv, one_page, partition
 from hiradix_model.keys import Key, page_keys, parent_page
-from hiradix_model.mamba.state import MambaState, owned_full, owned_states
+from hiradix_model.mamba.state import (
+    MambaState,
+    owned_full,
+    owned_host_full,
+    owned_host_states,
+    owned_states,
+)
 
 _REGISTRY: Invariants[MambaState] = Invariants()
 mamba_invariant = _REGISTRY
@@ -45,15 +51,26 @@ def state_pool(state: MambaState) -> Iterator[str]:
 
 @mamba_invariant("INV-MAMBA-CONTENT")
 def content(state: MambaState) -> Iterator[str]:
-    ps = state.config.page_size
     for key, page in state.pages.items():
-        for offset, slot in enumerate(page.full):
-            want = expected_kv(key, offset, ps)
-            if state.full_kv.get(slot) != want:
-                yield f"{key}: full slot {slot} holds {state.full_kv.get(slot)}, not {want}"
-        if page.state is not None and state.state_kv.get(page.state) != key:
-            yield (f"{key}: state slot {page.state} holds the state after "
-                   f"{state.state_kv.get(page.state)}")
+        yield from _wrong_content(state, key, "", (page.full, state.full_kv),
+                                  (page.state, state.state_kv))
+
+
+def _wrong_content(state: MambaState, key: Key, tier: str,
+                   full: tuple[tuple[int, ...], Mapping[int, Key]],
+                   held: tuple[int | None, Mapping[int, Key]]) -> Iterator[str]:
+    """Each full slot of ``key`` (slots, KV map) not holding its position's KV, and its
+    state slot (slot or None, content map) not holding the state after ``key``
+    (INV-MAMBA-CONTENT, INV-MAMBA-HOST-CONTENT)."""
+    slots, kv = full
+    for offset, slot in enumerate(slots):
+        want = expected_kv(key, offset, state.config.page_size)
+        if kv.get(slot) != want:
+            yield f"{key}: {tier}full slot {slot} holds {kv.get(slot)}, not {want}"
+    state_slot, contents = held
+    if state_slot is not None and contents.get(state_slot) != key:
+        yield (f"{key}: {tier}state slot {state_slot} holds the state after "
+               f"{contents.get(state_slot)}")
 
 
 @mamba_invariant("INV-MAMBA-LOCKS")
@@ -67,6 +84,47 @@ def locks(state: MambaState) -> Iterator[str]:
             yield f"{key}: locked {page.lock} times, its parent only {state.pages[parent].lock}"
         if page.state_lock > page.lock:
             yield f"{key}: {page.state_lock} state locks but only {page.lock} path locks"
+
+
+# The host tier (13m.8b). Without host slots these have nothing to check.
+
+
+@mamba_invariant("INV-MAMBA-HOST-TREE-WELL-FORMED")
+def host_tree_well_formed(state: MambaState) -> Iterator[str]:
+    for key, page in state.host.items():
+        yield from badly_formed(key, state.config.page_size, (("host full", page.full),),
+                                (state.pages, state.host), "is on no tier")
+
+
+@mamba_invariant("INV-MAMBA-HOST-ONLY-WITH-FULL")
+def host_only_with_full(state: MambaState) -> Iterator[str]:
+    for key, page in state.host.items():
+        if not page.full:
+            yield f"{key}: a host copy without full host KV (host state {page.state})"
+
+
+@mamba_invariant("INV-MAMBA-HOST-FULL-POOL")
+def host_full_pool(state: MambaState) -> Iterator[str]:
+    yield from partition("host full", state.config.host_full_slots, (
+        ("free", state.host_full_free), ("owned", owned_host_full(state))))
+
+
+@mamba_invariant("INV-MAMBA-HOST-POOL")
+def host_state_pool(state: MambaState) -> Iterator[str]:
+    yield from partition("host state", state.config.host_state_slots, (
+        ("free", state.host_state_free), ("owned", owned_host_states(state))))
+
+
+@mamba_invariant("INV-MAMBA-HOST-CONTENT")
+def host_content(state: MambaState) -> Iterator[str]:
+    for key, page in state.host.items():
+        yield from _wrong_content(state, key, "host ", (page.full, state.host_full_kv),
+                                  (page.state, state.host_state_kv))
+
+
+HOST_INVARIANTS = ("INV-MAMBA-HOST-TREE-WELL-FORMED", "INV-MAMBA-HOST-ONLY-WITH-FULL",
+                   "INV-MAMBA-HOST-FULL-POOL", "INV-MAMBA-HOST-POOL", "INV-MAMBA-HOST-CONTENT")
+"""The host tier's invariants (13m.8b), what a machine over an engine's host tier judges."""
 
 
 def check(state: MambaState) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hiradix_model.components import path_to_root
 from hiradix_model.keys import Key, parent_page
@@ -21,6 +21,16 @@ class MambaPage:
 
 
 @dataclass(frozen=True)
+class MambaHostPage:
+    """One page's host copies (13m.8b): its P host full slots, and the host state slot
+    holding the state after its root path, or None. Host copies hold no locks: the
+    model's load back is atomic."""
+
+    full: tuple[int, ...]
+    state: int | None = None
+
+
+@dataclass(frozen=True)
 class MambaState:
     """The whole abstract (FULL, MAMBA) cache. Treat every field as immutable."""
 
@@ -32,6 +42,12 @@ class MambaState:
     held_states: frozenset[int]  # state slots a caller holds, owned by no page
     full_kv: Mapping[int, Key]  # whose KV each full slot holds (absent: garbage)
     state_kv: Mapping[int, Key]  # the prefix whose state each state slot holds
+    # The host tier (13m.8b); empty without host slots, so a device-only cache is as before.
+    host: Mapping[Key, MambaHostPage] = field(default_factory=dict)
+    host_full_free: frozenset[int] = frozenset()
+    host_state_free: frozenset[int] = frozenset()
+    host_full_kv: Mapping[int, Key] = field(default_factory=dict)  # host full slot -> KV
+    host_state_kv: Mapping[int, Key] = field(default_factory=dict)  # host state slot -> prefix
 
 
 def initial(config: MambaConfig) -> MambaState:
@@ -45,6 +61,8 @@ def initial(config: MambaConfig) -> MambaState:
         held_states=frozenset(),
         full_kv={},
         state_kv={},
+        host_full_free=frozenset(range(config.host_full_slots)),
+        host_state_free=frozenset(range(config.host_state_slots)),
     )
 
 
@@ -54,8 +72,11 @@ def root_path(state: MambaState, page: Key) -> list[Key]:
 
 
 def full_leaves(state: MambaState) -> set[Key]:
-    """Unlocked cached pages with no cached child: what a full eviction may delete."""
+    """Unlocked cached pages with no cached child: what a full eviction may delete. A
+    page without a host copy whose host-only child needs it as a parent is none
+    (13m.8b: deleting it would orphan the child's host copy)."""
     parents = {parent_page(k, state.config.page_size) for k in state.pages}
+    parents |= {parent_page(k, state.config.page_size) for k in host_only(state)} - set(state.host)
     return {k for k, p in state.pages.items()
             if p.lock == 0 and p.state_lock == 0 and k not in parents}
 
@@ -72,5 +93,28 @@ def owned_full(state: MambaState) -> Iterator[int]:
 
 def owned_states(state: MambaState) -> Iterator[int]:
     for page in state.pages.values():
+        if page.state is not None:
+            yield page.state
+
+
+def host_only(state: MambaState) -> set[Key]:
+    """Pages with a host copy and no device copy (13m.8b)."""
+    return set(state.host) - set(state.pages)
+
+
+def state_somewhere(state: MambaState, page: Key) -> bool:
+    """Whether the state after ``page`` is cached on the device or on the host (13m.8b)."""
+    device, host = state.pages.get(page), state.host.get(page)
+    return (device is not None and device.state is not None) or \
+        (host is not None and host.state is not None)
+
+
+def owned_host_full(state: MambaState) -> Iterator[int]:
+    for page in state.host.values():
+        yield from page.full
+
+
+def owned_host_states(state: MambaState) -> Iterator[int]:
+    for page in state.host.values():
         if page.state is not None:
             yield page.state
