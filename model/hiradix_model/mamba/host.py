@@ -48,7 +48,8 @@ def backup(state: MambaState, page: Key, full: tuple[int, ...], slot: int | None
     record = state.pages[page]
     host_page = state.host.get(page, MambaHostPage(full=full))
     full_kv, state_kv = dict(state.host_full_kv), dict(state.host_state_kv)
-    full_kv.update({h: state.full_kv[d] for h, d in zip(full, record.full, strict=True)})
+    if full:  # a page backed up before has its full host copy already
+        full_kv.update({h: state.full_kv[d] for h, d in zip(full, record.full, strict=True)})
     if slot is not None:
         assert record.state is not None  # state_backup_needed
         host_page = replace(host_page, state=slot)
