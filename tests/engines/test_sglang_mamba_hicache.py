@@ -13,6 +13,7 @@ until some node is host-only.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from collections import Counter
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 from hybrid_support import bounded, run_until
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -249,6 +251,38 @@ def test_a_load_back_that_forgets_the_state_shows_in_the_view(
     assert loaded_code(make("write_through")) == 44
     load_forgets_the_state(monkeypatch)
     assert loaded_code(make("write_through")) != 44
+
+
+def backup_reads_a_neighbour(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Mamba backup's transfer reads the device state slot before the node's (an index
+    off by one): the host slot is allocated and recorded as usual, the host pool's
+    partition and SGLang's sanity_check hold, only the state under the host slot is
+    another one's (or none)."""
+    component = _mamba_module().MambaComponent
+    original = component.build_hicache_transfers
+
+    def build(self: Any, node: Any, phase: Any, **kwargs: Any) -> Any:
+        transfers = original(self, node, phase, **kwargs)
+        if phase.name == "BACKUP_HOST" and transfers:
+            value = transfers[0].device_indices
+            shifted = torch.where(value > 1, value - 1, value + 1)
+            transfers = [dataclasses.replace(transfers[0], device_indices=shifted)]
+        return transfers
+    monkeypatch.setattr(component, "build_hicache_transfers", build)
+
+
+def test_a_planted_backup_of_the_wrong_state_fails_the_host_invariants(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host view (spec/13m 13m.8b) can fail: a backup of a neighbouring state breaks
+    INV-MAMBA-HOST-CONTENT while SGLang's own checks pass; unplanted, the same seeded run
+    passes."""
+    config = MambaConfig(page_size=1, full_slots=16, state_slots=4)
+    machine = make_mamba_machine(build_hicache("write_through"), config)
+    run_state_machine_as_test(machine, settings=bounded(150))
+    backup_reads_a_neighbour(monkeypatch)
+    with pytest.raises(AssertionError, match="INV-MAMBA-HOST-CONTENT"):
+        run_state_machine_as_test(make_mamba_machine(build_hicache("write_through"), config),
+                                  settings=bounded(150))
 
 
 @pytest.mark.parametrize("policy", MAMBA_POLICIES)

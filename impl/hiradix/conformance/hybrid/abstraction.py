@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
+from hiradix.conformance.host_judge import judge_host
 from hiradix.conformance.hybrid.engine import SwaHostView, SwaView
 from hiradix_model import Key
 from hiradix_model.hybrid import SWA_INVARIANTS, SwaConfig, SwaHostPage, SwaPage, SwaState
@@ -84,8 +85,7 @@ def with_host(state: SwaState, host: SwaHostView, codes: Codes) -> SwaState:
                    host_swa_kv=codes.decode(host.swa_kv))
 
 
-# The per-page host invariants a deviation may exempt pages from; the pools' partitions
-# are whole-pool statements, which no page can be taken out of.
+# The per-page host invariants a deviation may exempt pages from (host_judge).
 PER_PAGE = frozenset({"INV-SWA-HOST-TREE-WELL-FORMED", "INV-SWA-HOST-ONLY-WITH-FULL",
                       "INV-SWA-HOST-CONTENT"})
 
@@ -93,11 +93,4 @@ PER_PAGE = frozenset({"INV-SWA-HOST-TREE-WELL-FORMED", "INV-SWA-HOST-ONLY-WITH-F
 def host_problems(state: SwaState, exempt: Mapping[str, frozenset[Key]]) -> list[str]:
     """The host invariants ``state`` breaks (13.8a), each judged without the host pages
     ``exempt`` takes out of it (a labelled deviation's)."""
-    assert set(exempt) <= PER_PAGE, f"only per-page invariants take exemptions: {exempt}"
-    failures = []
-    for spec_id in HOST_INVARIANTS:
-        out = exempt.get(spec_id, frozenset())
-        judged = replace(state, host={k: p for k, p in state.host.items() if k not in out}) \
-            if out else state
-        failures += (f"{spec_id}: {found}" for found in SWA_INVARIANTS[spec_id](judged))
-    return failures
+    return judge_host(state, HOST_INVARIANTS, SWA_INVARIANTS, exempt, PER_PAGE)

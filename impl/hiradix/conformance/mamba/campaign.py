@@ -35,9 +35,13 @@ def mamba_configs(page_sizes: Sequence[int]) -> list[MambaConfig]:
 class MambaCampaign(ComponentCampaign):
     components = "(FULL, MAMBA)"
     reach = REACH
+    # With a host tier: the pages held to 13m.8b's invariants, and how often a labelled
+    # deviation of the engine's configuration (DEV-M13) was met rather than failed.
     reach_when = (("scheduled_examples", REACH_SCHEDULED),
                   ("alloc_evicting_examples", ("evict_for_alloc_full",
-                                               "evict_for_alloc_states")))
+                                               "evict_for_alloc_states")),
+                  ("host_checks", ("host_pages_seen",)),
+                  ("host_deviation_checks", ("host_deviations_met",)))
 
 
 def run_campaign(engine: str, build: Build, page_sizes: Sequence[int], *, until: float,

@@ -14,7 +14,7 @@ and the machine compares them after every step. Slot ids are the engine's own.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from hiradix_model import Key
@@ -32,6 +32,31 @@ class MambaPageView:
 
 
 @dataclass(frozen=True)
+class MambaHostPageView:
+    """One page's host copies as the engine holds them (spec/13m, 13m.8b)."""
+
+    full: tuple[int, ...]  # its full host slots; () where it has none (DEV-M13)
+    state: int | None  # the host state slot after its path (a node's last page); None: none
+
+
+@dataclass(frozen=True)
+class MambaHostView:
+    """The engine's host tier (13m.8b), held to the host invariants after every step
+    (not yet to the host operations: the machine does not drive them)."""
+
+    pages: Mapping[Key, MambaHostPageView]  # every page with a host copy of either kind
+    full_slots: int  # the host full pool's size
+    state_slots: int  # the host state pool's size
+    full_free: frozenset[int]  # host slots an allocation could hand out
+    state_free: frozenset[int]
+    full_kv: Mapping[int, int]  # host full slot held by a page -> the code it holds
+    state_kv: Mapping[int, int]  # host state slot held by a page -> the code it holds
+    # Pages a labelled deviation exempts from a per-page host invariant, by its ID
+    # (INV-MAMBA-HOST-ONLY-WITH-FULL under write_back, DEV-M13): counted, not failed.
+    exempt: Mapping[str, frozenset[Key]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class MambaView:
     """Everything of the engine's cache the abstraction reads."""
 
@@ -41,6 +66,7 @@ class MambaView:
     full_kv: Mapping[int, int]  # full slot -> the code last written into it
     state_kv: Mapping[int, int]  # state slot -> the code last written into it
     own_check: str | None  # the engine's own consistency check: None if it passed, else why
+    host: MambaHostView | None = None  # the host tier, where the engine has one (13m.8b)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from hiradix.conformance.hybrid.machine import (
     pick,
     release_unpublished,
 )
-from hiradix.conformance.mamba.abstraction import abstract
+from hiradix.conformance.mamba.abstraction import abstract, host_problems, with_host
 from hiradix.conformance.mamba.engine import AllocEvictingMambaEngine, MambaEngine
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
@@ -176,6 +176,14 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             problems += [f"engine {v}" for v in model.violations(engine_state)]
             problems += model.violations(self.model)
             problems += state_problems(engine_state, self.model)
+            if view.host is not None:  # the host tier, to 13m.8b's invariants
+                seen["host_checks"] += 1
+                seen["host_pages_seen"] += len(view.host.pages)
+                seen["host_deviation_checks"] += bool(view.host.exempt)
+                seen["host_deviations_met"] += sum(map(len, view.host.exempt.values()))
+                problems += host_problems(
+                    with_host(engine_state, view.host, self.kv_codes, self.state_codes),
+                    view.host.exempt)
             assert not problems, f"after {step}:\n  " + "\n  ".join(problems)
 
         def match(self, key: Key) -> model.MambaMatch:

@@ -36,17 +36,25 @@ for SWA):
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 
-from hiradix.conformance.mamba.engine import MambaHit, MambaView
+from hiradix.conformance.mamba.engine import (
+    MambaHit,
+    MambaHostPageView,
+    MambaHostView,
+    MambaPageView,
+    MambaView,
+)
 from hiradix.engines.protocol import EngineUnavailable, probe_engine
 from hiradix.engines.sglang.mamba import NAME as DEVICE_NAME
 from hiradix.engines.sglang.mamba import SglangMambaAdapter
 from hiradix.engines.sglang.mamba import probe as probe_device
-from hiradix.engines.sglang.swa import SETUP, VERSIONS
+from hiradix.engines.sglang.swa import SETUP, VERSIONS, host_free_slots
 from hiradix_model import Key
 from hiradix_model.mamba import MambaConfig
 
@@ -219,7 +227,48 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
 
     def observe(self) -> MambaView:
         self._settle()
-        return super().observe()
+        view = super().observe()
+        return replace(view, host=self._host_view(view.pages))
+
+    def _host_view(self, on_device: Mapping[Key, MambaPageView]) -> MambaHostView:
+        """The host tier as 13m.8b's state: per page of each node with a host value, its
+        host full slots and, on the node's last page, its host state slot (pages with
+        neither are left out); each host pool's free slots (staged frees included); the
+        code layer 0 holds in each held host slot (KV: ``page_first_direct``
+        ``[K/V, page, layer, token, head, dim]``; states: ``temporal_buffer``
+        ``[slot, layer, 1, *shape]``, its first element, as the device view reads)."""
+        pages: dict[Key, MambaHostPageView] = {}
+        for end, node in self._walk():
+            full_value = node.component_data[self.full_ct].host_value
+            state_value = node.component_data[self.mamba_ct].host_value
+            if full_value is None and state_value is None:
+                continue
+            full = [] if full_value is None else full_value.tolist()
+            state = None if state_value is None else int(state_value[0])
+            width = len(node.key.token_ids)
+            for offset in range(0, width, self.ps):
+                last = offset + self.ps == width
+                page = MambaHostPageView(full=tuple(full[offset:offset + self.ps]),
+                                         state=state if last else None)
+                if page.full or page.state is not None:
+                    pages[Key(end[:len(end) - width + offset + self.ps], None)] = page
+        (kv_host, kv_size), (state_host, state_size) = (self.host_pools[self.full_ct],
+                                                        self.host_pools[self.mamba_ct])
+        held_full = {s for p in pages.values() for s in p.full}
+        held_states = {p.state for p in pages.values() if p.state is not None}
+        # DEV-M13: under write_back, host pressure reclaims the full host copies of pages
+        # still on the device and keeps their host states. A host-only page without a
+        # full host copy is no part of it.
+        exempt = frozenset(k for k, p in pages.items() if not p.full and k in on_device) \
+            if self.policy == "write_back" else frozenset()
+        return MambaHostView(
+            pages=pages, full_slots=kv_size, state_slots=state_size,
+            full_free=host_free_slots(kv_host), state_free=host_free_slots(state_host),
+            full_kv=_codes_at(kv_host.kv_buffer[0, :, 0, :, 0, 0].flatten().tolist(),
+                              held_full),
+            state_kv=_codes_at(state_host.temporal_buffer[:, 0, 0].flatten(1)[:, 0].tolist(),
+                               held_states),
+            exempt={"INV-MAMBA-HOST-ONLY-WITH-FULL": exempt} if exempt else {})
 
     def _own_check(self) -> str | None:
         problem = super()._own_check()
@@ -255,6 +304,11 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
             if lost:
                 problems.append(f"{ct.name} host slots neither free nor held: {sorted(lost)}")
         return problems
+
+
+def _codes_at(values: list[float], slots: set[int]) -> dict[int, int]:
+    """slot -> code for ``slots`` of a host pool's layer-0 values (NaN: never written)."""
+    return {slot: int(values[slot]) for slot in sorted(slots) if not math.isnan(values[slot])}
 
 
 def build_hicache(policy: MambaPolicy) -> Callable[[MambaConfig], SglangMambaHiCacheAdapter]:

@@ -173,7 +173,7 @@ def _codes(buffer: torch.Tensor, slots: range) -> dict[int, int]:
     return {slot: int(v) for slot, v in zip(slots, values, strict=True) if not math.isnan(v)}
 
 
-def _host_free(pool: Any) -> frozenset[int]:
+def host_free_slots(pool: Any) -> frozenset[int]:
     """A host pool's free slots, the frees it has staged included."""
     return frozenset(pool.free_slots.tolist()
                      + [s for part in pool.release_slots for s in part.tolist()])
@@ -885,8 +885,8 @@ class SglangSwaAdapter:
             if self.hicache == "write_back" else {}
         return SwaHostView(
             pages=pages, full_slots=int(full_pool.logical_size),
-            swa_slots=int(swa_pool.logical_size), full_free=_host_free(full_pool),
-            swa_free=_host_free(swa_pool),
+            swa_slots=int(swa_pool.logical_size), full_free=host_free_slots(full_pool),
+            swa_free=host_free_slots(swa_pool),
             full_kv=_host_codes(full_pool, held[self.full_ct]),
             swa_kv=_host_codes(swa_pool, held[self.swa_ct]),
             exempt={spec_id: keys for spec_id, keys in exempt.items() if keys})

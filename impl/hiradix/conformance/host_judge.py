@@ -1,0 +1,37 @@
+"""An engine's host tier held to its component model's host invariants, state by state:
+the judge the SWA machine (spec/13 13.8a) and the Mamba machine (spec/13m 13m.8b) share.
+
+The machine abstracts the engine's host pools into the model's host fields (``host``:
+page -> its host copies, the host free sets, the host content maps) and asks each host
+predicate about that state. A labelled deviation of the engine's configuration may take
+named pages out of a per-page invariant (they are counted by the machine, not failed);
+a pool's partition is a statement about the whole pool, which no page leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import TypeVar
+
+from hiradix_model import Key
+from hiradix_model.hybrid import SwaState
+from hiradix_model.mamba import MambaState
+
+State = TypeVar("State", SwaState, MambaState)
+
+
+def judge_host(state: State, ids: Sequence[str],
+               predicates: Mapping[str, Callable[[State], Iterator[str]]],
+               exempt: Mapping[str, frozenset[Key]], per_page: frozenset[str]) -> list[str]:
+    """What ``state`` breaks of the host invariants ``ids`` (each as ``ID: why``), each
+    judged without the host pages ``exempt`` takes out of it; only ``per_page``
+    invariants take exemptions."""
+    assert set(exempt) <= per_page, f"only per-page invariants take exemptions: {exempt}"
+    failures: list[str] = []
+    for spec_id in ids:
+        out = exempt.get(spec_id, frozenset())
+        judged = replace(state, host={k: p for k, p in state.host.items() if k not in out}) \
+            if out else state
+        failures += (f"{spec_id}: {found}" for found in predicates[spec_id](judged))
+    return failures
