@@ -437,14 +437,40 @@ def test_a_planted_host_swa_backup_bug_fails_the_host_invariants(
     """The host view (spec/13 13.8a) can fail: rotated SWA host slots break
     INV-SWA-HOST-CONTENT while SGLang's own checks pass; unplanted, the same seeded
     run passes."""
+    fails_only_when_planted(host_swa_backup_rotated, monkeypatch, "INV-SWA-HOST-CONTENT")
+
+
+def fails_only_when_planted(plant: Callable[[pytest.MonkeyPatch], None],
+                            monkeypatch: pytest.MonkeyPatch, expected: str) -> None:
+    """A seeded write-through HiCache run passes, then fails with ``expected`` once
+    ``plant`` is in SGLang."""
     config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
-    settings = bounded(200)
     run_state_machine_as_test(make_swa_machine(build_hicache("write_through"), config),
-                              settings=settings)
-    host_swa_backup_rotated(monkeypatch)
-    with pytest.raises(AssertionError, match="INV-SWA-HOST-CONTENT"):
+                              settings=bounded(200))
+    plant(monkeypatch)
+    with pytest.raises(AssertionError, match=expected):
         run_state_machine_as_test(make_swa_machine(build_hicache("write_through"), config),
-                                  settings=settings)
+                                  settings=bounded(200))
+
+
+def host_window_ignored_by_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SWA match validator with host hits accepts every node (the device-only one is
+    right): a match with host hits may end where the window has SWA KV on no tier."""
+    swa = swa_component()
+    original = swa.SWAComponent.create_match_validator
+
+    def validator(self: Any, match_device_only: bool = False) -> Any:
+        return original(self, match_device_only=True) if match_device_only \
+            else (lambda node: True)
+    monkeypatch.setattr(swa.SWAComponent, "create_match_validator", validator)
+
+
+def test_a_planted_host_match_bug_fails_the_host_match_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host match (spec/13 13.8a ``match_prefix_host``) can fail: SGLang's match with
+    host hits ending in a dead window breaks INV-SWA-HOST-MATCH-LIVE, while its device
+    match stays right; unplanted, the same seeded run passes."""
+    fails_only_when_planted(host_window_ignored_by_match, monkeypatch, "with host hits")
 
 
 # -- evict_for_alloc: the eviction the server's allocator makes (spec/13 13.3) ---------------

@@ -132,3 +132,13 @@ class AllocEvictingSwaEngine(Protocol):
     def evict_for_alloc(self, full_need: int, swa_need: int) -> int:
         """Evict until each pool has ``need`` more free tokens than now, full first; the
         full tokens freed."""
+
+
+@runtime_checkable
+class HostMatchingSwaEngine(Protocol):
+    """An ``SwaEngine`` with a host tier whose match also walks host-only pages: what its
+    last ``match_prefix`` accepted on either tier, held to 13.8a's ``match_prefix_host``."""
+
+    def last_host_match(self) -> tuple[Key | None, int]:
+        """Of the last ``match_prefix``: the deepest page it accepted on either tier (None:
+        the root) and the tokens of host-only pages up to it (what a load back loads)."""

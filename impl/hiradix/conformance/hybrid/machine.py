@@ -43,7 +43,11 @@ from hiradix.conformance.hybrid.abstraction import (
     mapping_problems,
     with_host,
 )
-from hiradix.conformance.hybrid.engine import AllocEvictingSwaEngine, SwaEngine
+from hiradix.conformance.hybrid.engine import (
+    AllocEvictingSwaEngine,
+    HostMatchingSwaEngine,
+    SwaEngine,
+)
 from hiradix.conformance.victims import (
     NoOrder,
     accepted_order,
@@ -263,8 +267,37 @@ def make_swa_machine(build: Build, config: SwaConfig,
             assert not problems, f"after {step}:\n  " + "\n  ".join(problems)
 
         def match(self, key: Key) -> model.SwaMatch:
+            before = self.host_state()
             slots, page = self.engine.match_prefix(key)
+            if before is not None:
+                self.judge_host_match(before, key)
             return self.judge_match(key, slots, page)
+
+        def host_state(self) -> SwaState | None:
+            """The engine's state on both tiers now, where it has a host tier and reports
+            its host match; else None."""
+            if not isinstance(self.engine, HostMatchingSwaEngine):
+                return None
+            view = self.engine.observe()
+            if view.host is None:
+                return None
+            return with_host(abstract(view, config, self.codes), view.host, self.codes)
+
+        def judge_host_match(self, before: SwaState, key: Key) -> None:
+            """The engine's match with host hits (13.8a ``match_prefix_host``) from
+            ``before``, the state it matched in: where it ends (INV-SWA-HOST-MATCH-LIVE).
+            Its host-hit count is not compared: SGLang's counts the full tokens with a
+            host copy behind the device match, resident ones included (DEV-H13)."""
+            assert isinstance(self.engine, HostMatchingSwaEngine)
+            page, _ = self.engine.last_host_match()
+            want = model.match_prefix_host(before, key)
+            seen["host_matches"] += 1
+            seen["host_hits"] += want.last_page != model.match_prefix(before, key).last_page
+            problems = list(model.host_match_problems(before, key, page))
+            if page != want.last_page:
+                problems.append(f"engine ends at {page}, model at {want.last_page}")
+            assert not problems, (f"match_prefix({key.tokens}) with host hits:\n  "
+                                  + "\n  ".join(problems))
 
         def judge_match(self, key: Key, slots: tuple[int, ...],
                         page: Key | None) -> model.SwaMatch:

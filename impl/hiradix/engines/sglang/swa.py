@@ -445,6 +445,7 @@ class SglangSwaAdapter:
         if hicache is not None and hicache not in WRITE_POLICIES:
             raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {hicache!r}")
         self.hicache = hicache
+        self._host_match: tuple[Key | None, int] | None = None  # the last match's, HiCache
         if hicache is None:
             self.version = probe()
         else:
@@ -605,9 +606,20 @@ class SglangSwaAdapter:
         # the machine never asks for); last_device_node is where the device part ends.
         slots = self.tree.collect_full_device_indices(got.last_device_node,
                                                       self.tree.root_node.id)
+        # Where the match ends on either tier (best_match_node, the anchor of a load
+        # back) and the Full-KV tokens to load up to there (host_hit_length).
+        self._host_match = (self._page_of(self.tree.node_by_id(got.best_match_node)),
+                            int(got.host_hit_length))
         self._settle()
         return (self._out(int(s) for s in slots.tolist()),
                 self._page_of(self.tree.node_by_id(got.last_device_node)))
+
+    def last_host_match(self) -> tuple[Key | None, int]:
+        """Of the last ``match_prefix`` (HostMatchingSwaEngine): SGLang's
+        ``best_match_node`` as a page (None: the root) and its ``host_hit_length``."""
+        if self.hicache is None or self._host_match is None:
+            raise ValueError(f"{self.name}: no match with host hits to report")
+        return self._host_match
 
     def insert(self, key: Key, full_slots: Sequence[int], swa_evicted: int) -> int:
         self._tick()
