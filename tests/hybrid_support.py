@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import importlib
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, Phase, seed, settings
-from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    run_state_machine_as_test,
+)
 from pytest import MonkeyPatch
 
 from hiradix.conformance.hybrid.machine import Build, make_swa_machine
@@ -109,3 +115,14 @@ def interleaved_eviction(build: Build) -> Counter[str]:
     finally:
         state.teardown()
     return reached
+
+
+def fails_only_when_planted(machine: Callable[[], type[RuleBasedStateMachine]],
+                            plant: Callable[[MonkeyPatch], None], monkeypatch: MonkeyPatch,
+                            expected: str, examples: int = 200) -> None:
+    """A seeded run of a fresh ``machine()`` passes, then fails with ``expected`` once
+    ``plant`` is in the engine: the observation the plant targets can fail."""
+    run_state_machine_as_test(machine(), settings=bounded(examples))
+    plant(monkeypatch)
+    with pytest.raises(AssertionError, match=expected):
+        run_state_machine_as_test(machine(), settings=bounded(examples))

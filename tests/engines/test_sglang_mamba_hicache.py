@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 import torch
-from hybrid_support import bounded, run_until
+from hybrid_support import bounded, fails_only_when_planted, run_until
 from hypothesis import Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 from test_sglang_mamba import checked, put  # the device-tier adapter's helpers
 
 from hiradix.conformance.mamba.engine import MambaHit, MambaView
@@ -276,13 +276,34 @@ def test_a_planted_backup_of_the_wrong_state_fails_the_host_invariants(
     """The host view (spec/13m 13m.8b) can fail: a backup of a neighbouring state breaks
     INV-MAMBA-HOST-CONTENT while SGLang's own checks pass; unplanted, the same seeded run
     passes."""
-    config = MambaConfig(page_size=1, full_slots=16, state_slots=4)
-    machine = make_mamba_machine(build_hicache("write_through"), config)
-    run_state_machine_as_test(machine, settings=bounded(150))
-    backup_reads_a_neighbour(monkeypatch)
-    with pytest.raises(AssertionError, match="INV-MAMBA-HOST-CONTENT"):
-        run_state_machine_as_test(make_mamba_machine(build_hicache("write_through"), config),
-                                  settings=bounded(150))
+    fails_only_when_planted(host_tier_machine, backup_reads_a_neighbour, monkeypatch,
+                            "INV-MAMBA-HOST-CONTENT", examples=150)
+
+
+def host_tier_machine() -> type[RuleBasedStateMachine]:
+    """A fresh machine over SGLang's Mamba cache with write-through HiCache."""
+    return make_mamba_machine(build_hicache("write_through"),
+                              MambaConfig(page_size=1, full_slots=16, state_slots=4))
+
+
+def host_state_ignored_by_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Mamba match validator with host hits accepts every node (the device-only one
+    is right): a match with host hits may end at a page with no state on any tier."""
+    component = _mamba_module().MambaComponent
+    original = component.create_match_validator
+
+    def validator(self: Any, match_device_only: bool = False) -> Any:
+        return original(self, match_device_only=True) if match_device_only \
+            else (lambda node: True)
+    monkeypatch.setattr(component, "create_match_validator", validator)
+
+
+def test_a_planted_host_match_bug_fails_the_host_match_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host match (spec/13m 13m.8b ``match_prefix_host``) can fail: SGLang's match with
+    host hits ending at a page with no state breaks INV-MAMBA-HOST-MATCH-STATE."""
+    fails_only_when_planted(host_tier_machine, host_state_ignored_by_match, monkeypatch,
+                            "with host hits", examples=150)
 
 
 @pytest.mark.parametrize("policy", MAMBA_POLICIES)

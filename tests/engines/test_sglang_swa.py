@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 from hybrid_support import (
     bounded,
+    fails_only_when_planted,
     heal_a_locked_tombstone,
     interleaved_eviction,
     joint_eviction,
     plant_full_target_misread,
     run_until,
 )
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from hiradix.conformance.hybrid.campaign import hybrid_configs
 from hiradix.conformance.hybrid.engine import SwaView
@@ -437,20 +438,14 @@ def test_a_planted_host_swa_backup_bug_fails_the_host_invariants(
     """The host view (spec/13 13.8a) can fail: rotated SWA host slots break
     INV-SWA-HOST-CONTENT while SGLang's own checks pass; unplanted, the same seeded
     run passes."""
-    fails_only_when_planted(host_swa_backup_rotated, monkeypatch, "INV-SWA-HOST-CONTENT")
+    fails_only_when_planted(host_tier_machine, host_swa_backup_rotated, monkeypatch,
+                            "INV-SWA-HOST-CONTENT")
 
 
-def fails_only_when_planted(plant: Callable[[pytest.MonkeyPatch], None],
-                            monkeypatch: pytest.MonkeyPatch, expected: str) -> None:
-    """A seeded write-through HiCache run passes, then fails with ``expected`` once
-    ``plant`` is in SGLang."""
-    config = SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2)
-    run_state_machine_as_test(make_swa_machine(build_hicache("write_through"), config),
-                              settings=bounded(200))
-    plant(monkeypatch)
-    with pytest.raises(AssertionError, match=expected):
-        run_state_machine_as_test(make_swa_machine(build_hicache("write_through"), config),
-                                  settings=bounded(200))
+def host_tier_machine() -> type[RuleBasedStateMachine]:
+    """A fresh machine over SGLang's SWA cache with write-through HiCache."""
+    return make_swa_machine(build_hicache("write_through"),
+                            SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=2))
 
 
 def host_window_ignored_by_match(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -470,7 +465,8 @@ def test_a_planted_host_match_bug_fails_the_host_match_check(
     """The host match (spec/13 13.8a ``match_prefix_host``) can fail: SGLang's match with
     host hits ending in a dead window breaks INV-SWA-HOST-MATCH-LIVE, while its device
     match stays right; unplanted, the same seeded run passes."""
-    fails_only_when_planted(host_window_ignored_by_match, monkeypatch, "with host hits")
+    fails_only_when_planted(host_tier_machine, host_window_ignored_by_match, monkeypatch,
+                            "with host hits")
 
 
 # -- evict_for_alloc: the eviction the server's allocator makes (spec/13 13.3) ---------------

@@ -10,7 +10,8 @@ a pool's partition is a statement about the whole pool, which no page leaves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -35,3 +36,17 @@ def judge_host(state: State, ids: Sequence[str],
             if out else state
         failures += (f"{spec_id}: {found}" for found in predicates[spec_id](judged))
     return failures
+
+
+def assert_host_match(key: Key, page: Key | None, want: Key | None, device: Key | None,
+                      problems: Iterable[str], seen: Counter[str]) -> None:
+    """An engine's match with host hits of ``key`` ended at ``page``; the model's host
+    match ends at ``want`` and its device match at ``device``; ``problems``: what the
+    model's match postcondition says of ``page``. Counts the match (and a host hit, where
+    the host match goes past the device one) in ``seen``."""
+    seen["host_matches"] += 1
+    seen["host_hits"] += want != device
+    found = list(problems)
+    if page != want:
+        found.append(f"engine ends at {page}, model at {want}")
+    assert not found, f"match_prefix({key.tokens}) with host hits:\n  " + "\n  ".join(found)

@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
+from hiradix.conformance.host_judge import assert_host_match
 from hiradix.conformance.hybrid.abstraction import (
     Codes,
     abstract,
@@ -290,14 +291,9 @@ def make_swa_machine(build: Build, config: SwaConfig,
             host copy behind the device match, resident ones included (DEV-H13)."""
             assert isinstance(self.engine, HostMatchingSwaEngine)
             page, _ = self.engine.last_host_match()
-            want = model.match_prefix_host(before, key)
-            seen["host_matches"] += 1
-            seen["host_hits"] += want.last_page != model.match_prefix(before, key).last_page
-            problems = list(model.host_match_problems(before, key, page))
-            if page != want.last_page:
-                problems.append(f"engine ends at {page}, model at {want.last_page}")
-            assert not problems, (f"match_prefix({key.tokens}) with host hits:\n  "
-                                  + "\n  ".join(problems))
+            assert_host_match(key, page, model.match_prefix_host(before, key).last_page,
+                              model.match_prefix(before, key).last_page,
+                              model.host_match_problems(before, key, page), seen)
 
         def judge_match(self, key: Key, slots: tuple[int, ...],
                         page: Key | None) -> model.SwaMatch:

@@ -147,3 +147,14 @@ class AllocEvictingMambaEngine(Protocol):
     def evict_for_alloc(self, full_need: int, state_need: int) -> tuple[int, int]:
         """Evict until the full pool has ``full_need`` more free tokens and the state pool
         ``state_need`` more free slots than now; the full tokens and the states freed."""
+
+
+@runtime_checkable
+class HostMatchingMambaEngine(Protocol):
+    """A ``MambaEngine`` with a host tier whose match also walks host-only pages: where
+    its last ``match_prefix`` ended on either tier, held to 13m.8b's
+    ``match_prefix_host``."""
+
+    def last_host_match(self) -> Key | None:
+        """Of the last ``match_prefix``: the deepest page it accepted on either tier (None:
+        the root)."""

@@ -37,6 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
+from hiradix.conformance.host_judge import assert_host_match
 from hiradix.conformance.hybrid.abstraction import Codes
 from hiradix.conformance.hybrid.machine import (
     MAX_REQUEST,
@@ -48,7 +49,11 @@ from hiradix.conformance.hybrid.machine import (
     release_unpublished,
 )
 from hiradix.conformance.mamba.abstraction import abstract, host_problems, with_host
-from hiradix.conformance.mamba.engine import AllocEvictingMambaEngine, MambaEngine
+from hiradix.conformance.mamba.engine import (
+    AllocEvictingMambaEngine,
+    HostMatchingMambaEngine,
+    MambaEngine,
+)
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
 from hiradix_model import mamba as model
@@ -187,7 +192,10 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             assert not problems, f"after {step}:\n  " + "\n  ".join(problems)
 
         def match(self, key: Key) -> model.MambaMatch:
+            before = self.host_state()
             hit = self.engine.match_prefix(key)
+            if before is not None:
+                self.judge_host_match(before, key)
             want = model.match_prefix(self.model, key)
             problems = list(model.match_problems(self.model, key, hit.page, hit.full_hit))
             if (tuple(hit.full), hit.page) != (want.full_slots, want.last_page):
@@ -197,6 +205,27 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             seen["hits_on_a_state"] += want.last_page is not None
             seen["hits_past_the_state"] += want.full_hit > len(want.full_slots)
             return want
+
+        def host_state(self) -> MambaState | None:
+            """The engine's state on both tiers now, where it has a host tier and reports
+            its host match; else None."""
+            if not isinstance(self.engine, HostMatchingMambaEngine):
+                return None
+            view = self.engine.observe()
+            if view.host is None:
+                return None
+            return with_host(abstract(view, config, self.kv_codes, self.state_codes),
+                             view.host, self.kv_codes, self.state_codes)
+
+        def judge_host_match(self, before: MambaState, key: Key) -> None:
+            """The engine's match with host hits (13m.8b ``match_prefix_host``) from
+            ``before``, the state it matched in: where it ends
+            (INV-MAMBA-HOST-MATCH-STATE)."""
+            assert isinstance(self.engine, HostMatchingMambaEngine)
+            page = self.engine.last_host_match()
+            assert_host_match(key, page, model.match_prefix_host(before, key).last_page,
+                              model.match_prefix(before, key).last_page,
+                              model.host_match_problems(before, key, page), seen)
 
         # -- evictions ------------------------------------------------------------------
         def evict(self, pool: str, target: int, *, for_alloc: bool = False) -> None:

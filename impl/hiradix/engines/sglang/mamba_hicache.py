@@ -131,6 +131,9 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
             raise ValueError(f"{NAME}: policy must be one of {MAMBA_POLICIES}, got {policy!r}")
         self.policy = policy
         self.name = f"{NAME}-{policy}"
+        # Where the last match ended on both tiers, in a 1-tuple (None: no match yet; a
+        # match that ended at the root is (None,)).
+        self._host_match: tuple[Key | None] | None = None
         probe(self.name)
         self._hicache_on = False
         self.args: Any = None  # the published ServerArgs (``_publish_args``)
@@ -187,6 +190,7 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
     def _hit(self, key: Key, got: Any) -> MambaHit:
         """The device part of SGLang's hit (module docstring)."""
         node = self.tree.node_by_id(got.best_match_node)
+        self._host_match = (self._page_of(node.id),)  # where it ends on either tier
         # Up from SGLang's hit to the deepest state on the device (module docstring).
         while node is not self.tree.root_node and \
                 node.component_data[self.mamba_ct].value is None:
@@ -195,6 +199,13 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
         full_hit = len(self._cached_full(key, self._pages()))
         return MambaHit(full=self._full_out(slots.tolist()), page=self._page_of(node.id),
                         full_hit=full_hit)
+
+    def last_host_match(self) -> Key | None:
+        """Of the last ``match_prefix`` (HostMatchingMambaEngine): SGLang's
+        ``best_match_node`` as a page (None: the root)."""
+        if self._host_match is None:
+            raise ValueError(f"{self.name}: no match with host hits to report")
+        return self._host_match[0]
 
     def insert(self, key: Key, full_slots: Sequence[int], state: int) -> tuple[int, bool]:
         cached = len(self._cached_full(key, self._pages())) if isinstance(key, Key) else 0
