@@ -124,5 +124,6 @@ def fails_only_when_planted(machine: Callable[[], type[RuleBasedStateMachine]],
     ``plant`` is in the engine: the observation the plant targets can fail."""
     run_state_machine_as_test(machine(), settings=bounded(examples))
     plant(monkeypatch)
+    unshrunk = settings(bounded(examples), phases=[Phase.generate])  # no shrinking
     with pytest.raises(AssertionError, match=expected):
-        run_state_machine_as_test(machine(), settings=bounded(examples))
+        run_state_machine_as_test(machine(), settings=unshrunk)
