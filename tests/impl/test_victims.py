@@ -45,3 +45,12 @@ def test_too_many_interleavings_stop_at_the_chain_orders() -> None:
     chains = [[k(i)] for i in range(1, 9)]  # 8! orders of single pages
     assert interleavings(chains) == 40320 > MAX_INTERLEAVINGS
     assert sum(1 for _ in interleaved_orders(chains)) == 1  # 8 chains: none permuted
+
+
+def test_nine_pages_in_five_chains_are_all_interleaved() -> None:
+    """CI's SWA write_back campaign met an allocation's eviction over chains of 3, 1, 2, 2
+    and 1 pages that the former cap (5,040) left unjudged: its 15,120 orders are tried."""
+    chains = [[k(1, 1, 1), k(1, 1), k(1)], [k(2)], [k(3, 3), k(3)], [k(4, 4), k(4)], [k(5)]]
+    assert interleavings(chains) == 15120 <= MAX_INTERLEAVINGS
+    orders = {tuple(o) for o in interleaved_orders(chains)}
+    assert len(orders) == 15120
