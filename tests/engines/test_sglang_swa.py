@@ -469,6 +469,61 @@ def test_a_planted_host_match_bug_fails_the_host_match_check(
                             "with host hits")
 
 
+# -- load back: a host hit acted on as the scheduler does (spec/13 13.8a) ---------------------
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+def test_a_load_back_brings_the_path_and_its_window_back(make_hi: MakeHi,
+                                                         policy: WritePolicy) -> None:
+    """An evicted key, matched through the host and loaded back: every page has its full
+    KV back (the codes the request wrote), SWA KV on the window's 4 pages only, and the
+    request's prefix ends at the key, which the device now matches whole."""
+    adapter = make_hi(SwaConfig(page_size=1, full_slots=32, swa_slots=16, window=4), policy)
+    slots = put(adapter, KEY, swa_evicted=0)
+    if policy == "write_through_selective":
+        adapter.insert(KEY, slots, 0)  # the second hit backs it up
+    adapter.evict_full(12)
+    assert adapter.match_prefix(KEY) == ((), None)
+    assert adapter.load_back() == (12, KEY)
+    view = checked(adapter.observe())
+    pages = by_length(view)
+    assert sorted(pages) == list(range(1, 13))
+    assert [end for end, (_, swa) in sorted(pages.items()) if swa is not None] == [9, 10, 11, 12]
+    assert [view.full_kv[pages[end][0][0]] for end in range(1, 13)] == list(range(12))
+    assert adapter.match_prefix(KEY) == (tuple(pages[end][0][0] for end in range(1, 13)), KEY)
+
+
+def load_back_window_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SWA load-back walk leaves out the window's top node (a count off by one
+    node): the window keeps a tombstone, a state every invariant allows -- only the
+    load's transition shows it."""
+    swa = swa_component()
+    original = swa.SWAComponent.build_hicache_transfers
+
+    def transfers(self: Any, node: Any, phase: Any, *args: Any, **kwargs: Any) -> Any:
+        built = original(self, node, phase, *args, **kwargs)
+        if phase != swa.CacheTransferPhase.LOAD_BACK or not built:
+            return built
+        xfer = built[0]
+        first = self.tree_core.node_by_id(xfer.nodes_to_load[0])
+        size = len(first.component_data[self.component_type].host_value)
+        if len(xfer.nodes_to_load) == 1:
+            return None
+        xfer.nodes_to_load = xfer.nodes_to_load[1:]
+        xfer.host_indices = xfer.host_indices[size:]
+        return built
+
+    monkeypatch.setattr(swa.SWAComponent, "build_hicache_transfers", transfers)
+
+
+def test_a_planted_load_back_bug_fails_the_load_back_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load back (spec/13 13.8a ``load_back``) can fail: a load that leaves a window
+    page dead is caught by the transition check, where SGLang's own checks and every
+    invariant pass; unplanted, the same seeded run passes."""
+    fails_only_when_planted(host_tier_machine, load_back_window_short, monkeypatch,
+                            "are not on the device after it")
+
+
 # -- evict_for_alloc: the eviction the server's allocator makes (spec/13 13.3) ---------------
 
 def test_an_allocations_eviction_stops_each_pool_at_its_target() -> None:

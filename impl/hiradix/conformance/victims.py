@@ -96,6 +96,41 @@ def _merges(chains: list[list[Key]], taken: tuple[int, ...]) -> Iterator[list[Ke
                 yield [chain[taken[c]], *tail]
 
 
+# Steps ``guided_orders`` walks before giving up: each tries one page next.
+MAX_GUIDED_STEPS = 100_000
+
+
+def guided_orders(chains: list[list[Key]], start: S,
+                  step: Callable[[S, Key, list[list[Key]], tuple[int, ...]], Iterable[S]],
+                  ) -> Iterator[list[Key]]:
+    """The orders of the chains' pages (each chain's order kept) that ``step`` admits
+    page by page, depth first: ``step(state, page, chains, taken)`` gives the states the
+    engine may be in once it took ``page`` next (none: ``page`` may not come next;
+    ``taken[c]``: the pages of chain ``c`` taken before it). Where the interleavings are
+    too many to try (``MAX_INTERLEAVINGS``), a step that knows the eviction's rules cuts
+    them to the few it could have taken; at most ``MAX_GUIDED_STEPS`` steps in all."""
+    budget = [MAX_GUIDED_STEPS]
+    order: list[Key] = []
+
+    def walk(state: S, taken: tuple[int, ...]) -> Iterator[list[Key]]:
+        if all(index == len(chain) for index, chain in zip(taken, chains, strict=True)):
+            yield list(order)
+            return
+        for c, chain in enumerate(chains):
+            if taken[c] == len(chain):
+                continue
+            page, rest = chain[taken[c]], (*taken[:c], taken[c] + 1, *taken[c + 1:])
+            for following in step(state, page, chains, taken):
+                budget[0] -= 1
+                if budget[0] < 0:
+                    return
+                order.append(page)
+                yield from walk(following, rest)
+                order.pop()
+
+    yield from walk(start, (0,) * len(chains))
+
+
 class NoOrder(AssertionError):
     """No order of the chains is one the model accepts and that leaves what the engine
     left: the eviction took what it may not, or too little, or too much."""

@@ -16,11 +16,13 @@ from hiradix_model.hybrid.host import (
     host_leaves,
     host_match_problems,
     load_back,
+    load_plan,
     match_prefix_host,
     swa_backup_targets,
 )
 from hiradix_model.hybrid.insert import insert
 from hiradix_model.hybrid.invariants import (
+    HOST_INVARIANTS,
     MATCH_INVARIANT,
     SWA_INVARIANTS,
     check,
@@ -41,6 +43,7 @@ from hiradix_model.hybrid.state import (
 )
 
 __all__ = [
+    "HOST_INVARIANTS",
     "HOST_MATCH_INVARIANT",
     "MATCH_INVARIANT",
     "SWA_INVARIANTS",
@@ -68,6 +71,7 @@ __all__ = [
     "initial",
     "insert",
     "load_back",
+    "load_plan",
     "match_prefix",
     "match_prefix_host",
     "match_problems",

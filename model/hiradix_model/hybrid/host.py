@@ -140,9 +140,9 @@ def evict_host_swa(state: SwaState, num_tokens: int,
     return _run(state, num_tokens, victims, _with_swa_host, _take_swa_host, _host_swa_freed)
 
 
-def _loads(state: SwaState, page: Key) -> tuple[list[Key], list[Key]]:
+def load_plan(state: SwaState, page: Key) -> tuple[list[Key], list[Key]]:
     """What ``load_back(page)`` loads, root first: the host-only pages of its path (full
-    KV), and its window's pages without device SWA KV (SWA KV)."""
+    KV), and its window's pages without device SWA KV (SWA KV). Changes nothing."""
     path = root_path(state, page)[::-1]
     full = [k for k in path if k not in state.pages]
     swa = [k for k in window(state, page)[::-1]
@@ -167,7 +167,7 @@ def load_back(state: SwaState, page: Key, full: tuple[int, ...],
             "page", "has a page of its path on no tier")
     require(window_somewhere(state, page), "page",
             "has a page in its window with SWA KV on no tier: no load can resume after it")
-    to_full, to_swa = _loads(state, page)
+    to_full, to_swa = load_plan(state, page)
     require(bool(to_full or to_swa), "page", "has nothing to load: its path and window "
             "are on the device")
     ps = state.config.page_size

@@ -147,6 +147,11 @@ def host_content(state: SwaState) -> Iterator[str]:
                                           ("host swa", page.swa, state.host_swa_kv)))
 
 
+HOST_INVARIANTS = ("INV-SWA-HOST-TREE-WELL-FORMED", "INV-SWA-HOST-ONLY-WITH-FULL",
+                   "INV-SWA-HOST-FULL-POOL", "INV-SWA-HOST-POOL", "INV-SWA-HOST-CONTENT")
+"""The host tier's invariants (13.8a), what a machine over an engine's host tier judges."""
+
+
 def check(state: SwaState) -> list[str]:
     """The IDs of the invariants ``state`` violates, in spec order."""
     return _REGISTRY.check(state)

@@ -38,7 +38,8 @@ class HybridCampaign(ComponentCampaign):
     # deviation of the engine's configuration (DEV-H11) was met rather than failed.
     reach_when = (("scheduled_examples", REACH_SCHEDULED),
                   ("alloc_evicting_examples", ("evict_for_alloc",)),
-                  ("host_checks", ("host_pages_seen", "host_matches", "host_hits")),
+                  ("host_checks", ("host_pages_seen", "host_matches", "host_hits",
+                                   "load_backs")),
                   ("host_deviation_checks", ("host_deviations_met",)))
 
 

@@ -45,7 +45,9 @@ class SwaHostPageView:
 @dataclass(frozen=True)
 class SwaHostView:
     """The engine's host tier (spec/13, 13.8a), held to the host invariants after every
-    step (not yet to the host operations: the machine does not drive them)."""
+    step, and to 13.8a's ``load_back`` where the machine drives one
+    (``HostLoadingSwaEngine``); backups and host evictions happen inside the engine's
+    calls, so only their results are judged."""
 
     pages: Mapping[Key, SwaHostPageView]  # every page with a host copy of either kind
     full_slots: int  # the host full pool's size
@@ -142,3 +144,15 @@ class HostMatchingSwaEngine(Protocol):
     def last_host_match(self) -> tuple[Key | None, int]:
         """Of the last ``match_prefix``: the deepest page it accepted on either tier (None:
         the root) and the tokens of host-only pages up to it (what a load back loads)."""
+
+
+@runtime_checkable
+class HostLoadingSwaEngine(Protocol):
+    """A ``HostMatchingSwaEngine`` that acts on a match's host hit as its server does: it
+    loads the match's host-only KV back (13.8a ``load_back``), the copies issued and
+    acknowledged before it returns."""
+
+    def load_back(self) -> tuple[int, Key | None]:
+        """Load back the last ``match_prefix``'s host hit; the full tokens past the
+        device match that the request now has on the device, and the page its prefix
+        ends at (None: the root)."""

@@ -24,12 +24,18 @@ insert (``insert`` with the ``swa_evicted`` the engine passed), the duplicates t
 freed itself (``free``, DEV-24) and the lock it moved (``dec_lock_ref`` /
 ``inc_lock_ref``); the request's row past the insert must then be the tree's path to its
 new lock.
+
+An engine with a host tier that acts on host hits (``HostLoadingSwaEngine``) also gets
+load backs: a key through a host-only page is matched and loaded back as its server's
+scheduler does, and the engine's two-tier state after it is compared with 13.8a's
+``load_back`` (``load_back.py``); the machine's device model then takes the loaded pages.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,14 +52,26 @@ from hiradix.conformance.hybrid.abstraction import (
 )
 from hiradix.conformance.hybrid.engine import (
     AllocEvictingSwaEngine,
+    HostLoadingSwaEngine,
     HostMatchingSwaEngine,
     SwaEngine,
 )
+from hiradix.conformance.hybrid.load_back import (
+    dev_h12_pages,
+    device_part,
+    expected_load,
+    host_tier_problems,
+    load_plan,
+    two_tier,
+)
 from hiradix.conformance.victims import (
+    MAX_INTERLEAVINGS,
     NoOrder,
     accepted_order,
     diff,
+    guided_orders,
     interleaved_orders,
+    interleavings,
     victim_chains,
 )
 from hiradix_model import Key
@@ -219,6 +237,33 @@ def same_pages(state: SwaState, other: SwaState) -> bool:
             == {k: p.live for k, p in other.pages.items()})
 
 
+def joint_orders(chains: list[list[Key]], before: SwaState, after: SwaState, full_need: int,
+                 node_locks: bool) -> Iterator[list[Key]]:
+    """Orders in which an allocation's eviction (13.3 ``evict_for_alloc``) from ``before``
+    may have taken ``chains`` to leave ``after``: every interleaving where they are few
+    (``interleaved_orders``), else those the walks' rules admit page by page: the full
+    walk deletes a full leaf while it is short of ``full_need``, the SWA walk takes a
+    live page the way the engine did (tombstoned or deleted)."""
+    yield from interleaved_orders(chains)
+    if interleavings(chains) <= MAX_INTERLEAVINGS:
+        return
+    ps = before.config.page_size
+
+    def step(at: tuple[SwaState, bool], page: Key, *_: object,
+             ) -> Iterator[tuple[SwaState, bool]]:
+        state, full_walk = at
+        if full_walk and page not in after.pages \
+                and len(state.full_free) - len(before.full_free) < full_need:
+            with suppress(IllegalChoice):
+                yield model.evict_full(state, ps, [page])[0], True
+        with suppress(IllegalChoice):
+            took, _ = model.evict_swa(state, ps, [page], enough=not node_locks)
+            if (page in took.pages) == (page in after.pages):
+                yield took, False
+
+    yield from guided_orders(chains, (before, True), step)
+
+
 def make_swa_machine(build: Build, config: SwaConfig,
                      reached: Counter[str] | None = None) -> type[RuleBasedStateMachine]:
     """A machine class driving a fresh ``build(config)`` per example; ``reached`` counts
@@ -241,6 +286,9 @@ def make_swa_machine(build: Build, config: SwaConfig,
             self.scheduled: list[Scheduled] = []
             self.alloc_evicting = (self.engine if isinstance(self.engine, AllocEvictingSwaEngine)
                                    else None)
+            # An engine that loads host hits back, where it has a host tier.
+            self.loader = (self.engine if isinstance(self.engine, HostLoadingSwaEngine)
+                           and self.engine.observe().host is not None else None)
             seen["examples"] += 1
             seen["scheduled_examples"] += self.scheduler is not None
             seen["alloc_evicting_examples"] += self.alloc_evicting is not None
@@ -362,9 +410,11 @@ def make_swa_machine(build: Build, config: SwaConfig,
                     raise IllegalChoice("; ".join(objections))
                 return accepted
 
+            def orders(chains: list[list[Key]]) -> Iterator[list[Key]]:
+                yield from joint_orders(chains, before, after, full_need, self.node_locks)
+
             try:
-                state, want, victims = accepted_order(chains, model_evict, same,
-                                                      interleaved_orders)
+                state, want, victims = accepted_order(chains, model_evict, same, orders)
             except NoOrder as refused:
                 raise AssertionError(f"evict_for_alloc({full_need}, {swa_need}) = {freed} "
                                      f"{refused}; before it: {describe_pages(before)}, "
@@ -408,6 +458,47 @@ def make_swa_machine(build: Build, config: SwaConfig,
                     self.evict("swa", num_tokens)
                 full = self.engine.alloc(num_tokens)
             return full
+
+        @precondition(lambda self: self.loader is not None)
+        @rule(data=st.data(), tail=st.lists(st.integers(1, 3), max_size=3).map(tuple))
+        def load_back(self, data: st.DataObject, tail: tuple[int, ...]) -> None:
+            """A request whose prefix reaches host-only KV (a host-only page's tokens and
+            ``tail``): matched, then loaded back as its server does; the engine's state
+            after it must be 13.8a's ``load_back`` of what the match reached, into the
+            device slots the engine chose. A load that would need an eviction first is
+            not made (the machine cannot yet tell the two apart)."""
+            assert self.loader is not None
+            engine_before = self.host_state()
+            assert engine_before is not None
+            hosted = sorted(set(engine_before.host) - set(engine_before.pages),
+                            key=lambda k: k.tokens)
+            if not hosted:
+                seen["load_back_nothing_hosted"] += 1
+                return
+            key = Key(data.draw(st.sampled_from(hosted)).tokens + tail)
+            self.match(key)  # judged on both tiers as any match
+            engine_before = self.host_state()
+            assert engine_before is not None
+            before = two_tier(self.model, engine_before)
+            plan = load_plan(before, key)
+            if not plan.fits(before):
+                seen["load_back_pools_short"] += 1
+                return
+            loaded, page = self.loader.load_back()
+            engine_after = self.host_state()
+            assert engine_after is not None
+            expected, problems = expected_load(before, plan, loaded, page, engine_after)
+            problems += state_problems(engine_after, expected, self.node_locks)
+            problems += host_tier_problems(engine_after, expected)
+            assert not problems, (f"load_back({key.tokens}) from "
+                                  f"{describe_pages(before)}:\n  " + "\n  ".join(problems))
+            self.model = device_part(expected, self.model)
+            seen["load_backs"] += not plan.empty
+            seen["load_backs_nothing_to_load"] += plan.empty
+            seen["load_back_full_pages"] += len(plan.full)
+            seen["load_back_swa_pages"] += len(plan.swa)
+            seen["load_back_dev_h12_pages"] += len(dev_h12_pages(before, plan, engine_after))
+            self.check("load_back")
 
         @rule(ids=tokens, past=st.integers(0, 16), keep=st.booleans())
         def serve(self, ids: tuple[int, ...], past: int, keep: bool) -> None:

@@ -41,8 +41,9 @@ patches. The model stays device-tier only (spec/13):
   polls the controller as the scheduler does once per step (``check_hicache_events``:
   flush queued backups, ``writing_check``, ``loading_check``) until no copy is in flight,
   so the lock a write-through holds on its node is gone when the machine looks.
-- ``match_prefix`` returns the device part of SGLang's match (``last_device_node``); the
-  machine never loads back, so a host hit is only read, never acted on.
+- ``match_prefix`` returns the device part of SGLang's match (``last_device_node``);
+  ``load_back`` then acts on its host hit as the scheduler does (``init_load_back``, the
+  loads issued and acknowledged before it returns).
 - The host tier is checked by SGLang's own means only (``own_check``): ``sanity_check``
   (which covers host leaves, host LRUs and in-flight copies once HiCache is on) and, per
   host pool, that the slots the tree's host values name and the pool's free list
@@ -354,6 +355,12 @@ class SglangRequest:
     lock: Any = None
     last_node: Any = None
     swa_branching_seqlen: int | None = None
+    # What ``match_prefix_and_adopt`` (common.py:245-258) copies off a match with host
+    # hits, for ``init_load_back``.
+    best_match_node: Any = None
+    host_hit_length: int = 0
+    swa_host_hit_length: int = 0
+    mamba_host_hit_length: int = 0
     finished_reason: None = None
     tokens: tuple[int, ...] = ()
 
@@ -446,6 +453,7 @@ class SglangSwaAdapter:
             raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {hicache!r}")
         self.hicache = hicache
         self._host_match: tuple[Key | None, int] | None = None  # the last match's, HiCache
+        self._match: Any = None  # the last match's MatchResult, for ``load_back``
         if hicache is None:
             self.version = probe()
         else:
@@ -610,6 +618,7 @@ class SglangSwaAdapter:
         # back) and the Full-KV tokens to load up to there (host_hit_length).
         self._host_match = (self._page_of(self.tree.node_by_id(got.best_match_node)),
                             int(got.host_hit_length))
+        self._match = got
         self._settle()
         return (self._out(int(s) for s in slots.tolist()),
                 self._page_of(self.tree.node_by_id(got.last_device_node)))
@@ -620,6 +629,43 @@ class SglangSwaAdapter:
         if self.hicache is None or self._host_match is None:
             raise ValueError(f"{self.name}: no match with host hits to report")
         return self._host_match
+
+    def load_back(self) -> tuple[int, Key | None]:
+        """Act on the last ``match_prefix``'s host hit as the server's scheduler does
+        (HostLoadingSwaEngine): ``add_one_req`` holds the device match locked
+        (``_lock_node(req.last_node)``, schedule_policy.py:1430) and the best match locked
+        on both tiers (``_lock_node(best_match_node, lock_host=True)``, :1464) around
+        ``init_load_back`` (:1517); the batch then issues the loads
+        (``ready_to_load_host_cache``) and a later step acknowledges them
+        (``check_hicache_events``). Returns the full tokens loaded and the page the
+        request's prefix now ends at (None: the root)."""
+        if self.hicache is None or self._match is None:
+            raise ValueError(f"{self.name}: no match with host hits to load back")
+        self._tick()
+        got, self._match = self._match, None  # a match is loaded back once
+        req = self.new_request((1,), 1)
+        req.last_node = got.last_device_node
+        req.best_match_node = got.best_match_node
+        req.host_hit_length = int(got.host_hit_length)
+        req.swa_host_hit_length = int(got.swa_host_hit_length)
+        device = self.cache.lock(got.last_device_node)
+        host = self.cache.inc_host_lock_ref(got.best_match_node).to_dec_params()
+        best = self.cache.lock(got.best_match_node)
+        try:
+            loaded = self.cache.init_load_back(self.m["base"].InitLoadBackParams(
+                best_match_node=got.best_match_node, host_hit_length=req.host_hit_length,
+                req=req))
+        finally:
+            self.cache.unlock(best)
+            self.cache.dec_host_lock_ref(got.best_match_node, host)
+            self.cache.unlock(device)
+        if loaded is None:
+            raise AssertionError(f"{self.name}: init_load_back returned None, which only "
+                                 "its buffer mode may")
+        self.cache.ready_to_load_host_cache()
+        self._settle()
+        tokens, last = loaded
+        return int(tokens), self._page_of(self.tree.node_by_id(last))
 
     def insert(self, key: Key, full_slots: Sequence[int], swa_evicted: int) -> int:
         self._tick()

@@ -1,0 +1,69 @@
+"""An allocation's eviction over more interleavings than the checker tries one by one
+(spec/13 13.3 ``evict_for_alloc``; ``conformance/hybrid/machine.py`` ``joint_orders``):
+the order SGLang 0.5.23 took, met by CI's SWA write-through campaign, is found."""
+
+from __future__ import annotations
+
+from hiradix.conformance.hybrid.machine import joint_orders, taken_pages
+from hiradix.conformance.victims import (
+    MAX_INTERLEAVINGS,
+    accepted_order,
+    interleavings,
+    victim_chains,
+)
+from hiradix_model import Key
+from hiradix_model import hybrid as H
+from hiradix_model.errors import IllegalChoice
+from hiradix_model.hybrid import SwaPage, SwaState
+
+CONFIG = H.SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=1)
+# The state before it: (tokens, live, lock, SWA lock); no slot free.
+PAGES = [((1,), False, 0, 0), ((2,), True, 1, 0), ((2, 1), True, 1, 1), ((3,), True, 0, 0),
+         ((3, 2), False, 0, 0), ((3, 3), True, 0, 0), ((3, 3, 2), True, 0, 0),
+         ((3, 3, 3), False, 0, 0), ((3, 3, 3, 2), False, 0, 0),
+         ((3, 3, 3, 2, 3), False, 0, 0)]
+
+
+def before() -> SwaState:
+    pages, full_kv, swa_kv, swa = {}, {}, {}, 0
+    for slot, (tokens, live, lock, swa_lock) in enumerate(PAGES):
+        key = Key(tokens)
+        mine = (swa,) if live else None
+        if live:
+            swa_kv[swa], swa = key, swa + 1
+        pages[key] = SwaPage(full=(slot,), swa=mine, lock=lock, swa_lock=swa_lock)
+        full_kv[slot] = key
+    return SwaState(config=CONFIG, pages=pages, full_free=frozenset(), swa_free=frozenset(),
+                    held={}, full_kv=full_kv, swa_kv=swa_kv)
+
+
+def after_sglang(start: SwaState) -> SwaState:
+    """What SGLang left: the full walk deleted six leaves, then the SWA walk tombstoned
+    (3,) while (3, 3) was still its child, deleted (3, 3) and tombstoned (2,)."""
+    order = [Key(t) for t in [(1,), (3, 2), (3, 3, 3, 2, 3), (3, 3, 3, 2), (3, 3, 3),
+                              (3, 3, 2), (3,), (3, 3), (2,)]]
+    state, freed = H.evict_for_alloc(start, 6, 6, order, 6)
+    assert freed == 7
+    return state
+
+
+def test_the_interleaved_order_sglang_took_is_found() -> None:
+    start = before()
+    assert H.violations(start) == []
+    after = after_sglang(start)
+    chains = victim_chains(taken_pages(start, after), CONFIG.page_size)
+    assert interleavings(chains) > MAX_INTERLEAVINGS  # too many to try one by one
+
+    def evict(victims: list[Key]) -> tuple[SwaState, int]:
+        for split in range(len(victims) + 1):
+            try:
+                state, freed = H.evict_for_alloc(start, 6, 6, victims, split)
+            except IllegalChoice:
+                continue
+            if state.pages == after.pages:
+                return state, freed
+        raise IllegalChoice("no split")
+
+    state, freed, _ = accepted_order(chains, evict, lambda s: s.pages == after.pages,
+                                     lambda c: joint_orders(c, start, after, 6, False))
+    assert state == after and freed == 7
