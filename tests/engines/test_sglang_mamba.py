@@ -439,7 +439,10 @@ def test_a_bug_planted_in_sglang_shows_in_the_view_and_its_own_check(
 
 # What the machine reports first for each planted bug.
 MACHINE_SEES = {
-    "state left on the split parent": "holds no state",  # INV-MAMBA-MATCH-STATE
+    # INV-MAMBA-MATCH-STATE, or the insert of a checkpoint that should have taken the
+    # state left behind; which comes first depends on the derandomized draw, which
+    # Hypothesis seeds from the machine's source.
+    "state left on the split parent": "holds no state|the model's insert took the state",
     "refill dropped": "mamba pool balance",
     # The insert says it took the state the model keeps: seen on insert or on a release.
     "existing state overwritten": (r"returned \(\d+, True\), the model \(\d+, False\)"

@@ -168,6 +168,54 @@ def test_a_load_back_restores_the_pages_and_the_state_into_fresh_slots(
     assert state is not None and state in before.state_free and view.state_kv[state] == 44
 
 
+@pytest.mark.parametrize("policy", MAMBA_POLICIES)
+def test_a_load_back_as_the_scheduler_makes_it_hands_the_request_a_copy(
+        make: Make, policy: MambaPolicy) -> None:
+    """The adapter's ``load_back`` (the scheduler's ``init_load_back`` after a match with
+    host hits): the path's full KV and the node's state come back, and the request gets
+    a state slot of its own holding the same state (DEV-M14), which it then holds."""
+    adapter = make(policy)
+    put(adapter, K4, code=44)
+    evict_to_host(adapter, K4)
+    before = checked(adapter)
+    assert adapter.match_prefix(K4) == MambaHit((), None, 0)
+    assert adapter.last_host_match() == K4
+    loaded, page, mine = adapter.load_back()
+    view = checked(adapter)
+    assert (loaded, page) == (4, K4) and mine is not None
+    node = view.pages[K4].state
+    assert node is not None and {node, mine} <= before.state_free and node != mine
+    assert view.state_kv[node] == view.state_kv[mine] == 44 and mine not in view.state_free
+    assert adapter.held_states == {mine}  # the request's, owned by no page
+    assert adapter.match_prefix(K4).page == K4
+
+
+def load_back_skips_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Mamba load-back transfer restores the request's copy but not the node's state
+    (its restore left out of the transfers)."""
+    component = _mamba_module().MambaComponent
+    original = component.build_hicache_transfers
+
+    def transfers(self: Any, node: Any, phase: Any, *args: Any, **kwargs: Any) -> Any:
+        built = original(self, node, phase, *args, **kwargs)
+        if phase.name != "LOAD_BACK" or not built:
+            return built
+        kept = [x for x in built if not x.nodes_to_load]
+        return kept or None
+    monkeypatch.setattr(component, "build_hicache_transfers", transfers)
+
+
+def test_a_planted_load_back_bug_fails_the_load_back_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load back (spec/13m 13m.8b ``load_back``) can fail: a load whose node restore
+    is lost is caught by the transition check (SGLang then hands the node the request's
+    slot: one slot owned twice, which the model refuses, or the node's state stays on the
+    host only); unplanted, the same seeded run passes."""
+    fails_only_when_planted(host_tier_machine, load_back_skips_the_node, monkeypatch,
+                            r"load back to .*(the model refuses it|are not on the device "
+                            "after it)", examples=150)
+
+
 # -- bugs planted in SGLang's Mamba host path ---------------------------------------------
 
 

@@ -16,6 +16,7 @@ from hiradix_model.mamba.host import (
     host_leaves,
     host_match_problems,
     load_back,
+    load_plan,
     match_prefix_host,
     state_backup_needed,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "initial",
     "insert",
     "load_back",
+    "load_plan",
     "match_prefix",
     "match_prefix_host",
     "match_problems",

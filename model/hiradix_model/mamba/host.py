@@ -135,9 +135,9 @@ def evict_host_states(state: MambaState, target: int,
                 _host_states_freed)
 
 
-def _loads(state: MambaState, page: Key) -> tuple[list[Key], bool]:
+def load_plan(state: MambaState, page: Key) -> tuple[list[Key], bool]:
     """What ``load_back(page)`` loads: the host-only pages of its path, root first (full
-    KV), and whether ``page``'s state (its state only, no ancestor's)."""
+    KV), and whether ``page``'s state (its state only, no ancestor's). Changes nothing."""
     full = [k for k in root_path(state, page)[::-1] if k not in state.pages]
     device = state.pages.get(page)
     return full, device is None or device.state is None
@@ -161,7 +161,7 @@ def load_back(state: MambaState, page: Key, full: tuple[int, ...],
             "page", "has a page of its path on no tier")
     require(state_somewhere(state, page), "page",
             "holds a state on no tier: no load can resume after it")
-    to_full, to_state = _loads(state, page)
+    to_full, to_state = load_plan(state, page)
     require(bool(to_full) or to_state, "page",
             "has nothing to load: its path and state are on the device")
     ps = state.config.page_size

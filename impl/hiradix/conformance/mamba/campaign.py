@@ -40,7 +40,8 @@ class MambaCampaign(ComponentCampaign):
     reach_when = (("scheduled_examples", REACH_SCHEDULED),
                   ("alloc_evicting_examples", ("evict_for_alloc_full",
                                                "evict_for_alloc_states")),
-                  ("host_checks", ("host_pages_seen", "host_matches", "host_hits")),
+                  ("host_checks", ("host_pages_seen", "host_matches", "host_hits",
+                                   "load_backs")),
                   ("host_deviation_checks", ("host_deviations_met",)))
 
 

@@ -158,3 +158,16 @@ class HostMatchingMambaEngine(Protocol):
     def last_host_match(self) -> Key | None:
         """Of the last ``match_prefix``: the deepest page it accepted on either tier (None:
         the root)."""
+
+
+@runtime_checkable
+class HostLoadingMambaEngine(Protocol):
+    """A ``HostMatchingMambaEngine`` that acts on a match's host hit as its server does: it
+    loads the match's host-only KV and state back (13m.8b ``load_back``), the copies
+    issued and acknowledged before it returns."""
+
+    def load_back(self) -> tuple[int, Key | None, int | None]:
+        """Load back the last ``match_prefix``'s host hit; the full tokens past the device
+        match that the request now has on the device, the page its prefix ends at (None:
+        the root), and the state slot the load gave the request (DEV-M14: a copy of the
+        loaded state, which the caller now holds), or None."""

@@ -25,6 +25,9 @@ the model as the operations of 13m.3 it stands for, read off what it did: the co
 (``alloc_state`` holding the state after what the request computed), the insert and
 whether the state was taken (``insert``), the state or copy freed when not
 (``free_state``), the duplicates the engine freed itself (``free``) and the lock moved.
+
+An engine with a host tier that acts on host hits (``HostLoadingMambaEngine``) also gets
+load backs, each compared with 13m.8b's ``load_back`` (``load_back.py``).
 """
 
 from __future__ import annotations
@@ -51,8 +54,16 @@ from hiradix.conformance.hybrid.machine import (
 from hiradix.conformance.mamba.abstraction import abstract, host_problems, with_host
 from hiradix.conformance.mamba.engine import (
     AllocEvictingMambaEngine,
+    HostLoadingMambaEngine,
     HostMatchingMambaEngine,
     MambaEngine,
+)
+from hiradix.conformance.mamba.load_back import (
+    device_part,
+    expected_load,
+    host_tier_problems,
+    load_plan,
+    two_tier,
 )
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
@@ -161,6 +172,9 @@ def make_mamba_machine(build: Build, config: MambaConfig,
                                                              AllocEvictingMambaEngine)
                                    else None)
             self.scheduled: list[Scheduled] = []
+            # An engine that loads host hits back, where it has a host tier.
+            self.loader = (self.engine if isinstance(self.engine, HostLoadingMambaEngine)
+                           and self.engine.observe().host is not None else None)
             seen["examples"] += 1
             seen["scheduled_examples"] += self.scheduler is not None
             seen["alloc_evicting_examples"] += self.alloc_evicting is not None
@@ -312,6 +326,50 @@ def make_mamba_machine(build: Build, config: MambaConfig,
                 self.engine.write_state(slot, self.state_codes.code(empty))
                 self.check(f"alloc_state() = {slot}")
             return slot
+
+        @precondition(lambda self: self.loader is not None)
+        @rule(data=st.data(), tail=st.lists(st.integers(1, 3), max_size=3).map(tuple))
+        def load_back(self, data: st.DataObject, tail: tuple[int, ...]) -> None:
+            """A request whose prefix reaches host-only KV (a host-only page's tokens and
+            ``tail``): matched, then loaded back as its server does; the engine's state
+            after it must be 13m.8b's ``load_back`` of what the match reached (and, where
+            it restored a state, the request's copy of it, DEV-M14), into the slots the
+            engine chose. The request then ends, returning its copy. A load that would
+            need an eviction first is not made."""
+            assert self.loader is not None
+            engine_before = self.host_state()
+            assert engine_before is not None
+            hosted = sorted(set(engine_before.host) - set(engine_before.pages),
+                            key=lambda k: k.tokens)
+            if not hosted:
+                seen["load_back_nothing_hosted"] += 1
+                return
+            key = Key(data.draw(st.sampled_from(hosted)).tokens + tail)
+            self.match(key)  # judged on both tiers as any match
+            engine_before = self.host_state()
+            assert engine_before is not None
+            before = two_tier(self.model, engine_before)
+            plan = load_plan(before, key)
+            if not plan.fits(before):
+                seen["load_back_pools_short"] += 1
+                return
+            loaded, page, slot = self.loader.load_back()
+            engine_after = self.host_state()
+            assert engine_after is not None
+            expected, problems = expected_load(before, plan, loaded, page, slot, engine_after)
+            problems += state_problems(engine_after, expected)
+            problems += host_tier_problems(engine_after, expected)
+            assert not problems, (f"load_back({key.tokens}):\n  " + "\n  ".join(problems))
+            self.model = device_part(expected, self.model)
+            seen["load_backs"] += not plan.empty
+            seen["load_backs_nothing_to_load"] += plan.empty
+            seen["load_back_full_pages"] += len(plan.full)
+            seen["load_back_states"] += plan.state
+            self.check(f"load_back({key.tokens})")
+            if slot is not None:  # the request ends: its copy goes back to the pool
+                self.engine.free_state(slot)
+                self.model = model.free_state(self.model, slot)
+                self.check(f"free_state({slot})")
 
         @rule(ids=tokens, keep=st.booleans(), early=st.booleans())
         def serve(self, ids: tuple[int, ...], keep: bool, early: bool) -> None:

@@ -16,9 +16,10 @@ for SWA):
   (DEV-H4 of spec/13 13.7); the device part is what was cached on the device before the
   call, the shorter of the two.
 - ``match_prefix``: SGLang's match accepts a node whose state is on the host only (a hit a
-  load back would restore, ``MambaComponent.create_match_validator``); the machine never
-  loads back, so the hit reported is the deepest node at or above SGLang's
-  ``best_match_node`` whose state is on the device, with the full slots up to it.
+  load back would restore, ``MambaComponent.create_match_validator``); the hit reported
+  is the deepest node at or above SGLang's ``best_match_node`` whose state is on the
+  device, with the full slots up to it, and ``load_back`` then acts on the host hit as the
+  scheduler does (``init_load_back``).
 - Copies complete asynchronously: at the start of every call and before every view the
   adapter polls the controller as the scheduler does once per step
   (``check_hicache_events``) until nothing is in flight.
@@ -39,6 +40,7 @@ import importlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -55,6 +57,7 @@ from hiradix.engines.sglang.mamba import NAME as DEVICE_NAME
 from hiradix.engines.sglang.mamba import SglangMambaAdapter
 from hiradix.engines.sglang.mamba import probe as probe_device
 from hiradix.engines.sglang.swa import SETUP, VERSIONS, host_free_slots
+from hiradix.engines.sglang.unified import load_back_as_scheduled
 from hiradix_model import Key
 from hiradix_model.mamba import MambaConfig
 
@@ -134,6 +137,7 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
         # Where the last match ended on both tiers, in a 1-tuple (None: no match yet; a
         # match that ended at the root is (None,)).
         self._host_match: tuple[Key | None] | None = None
+        self._match: Any = None  # the last match's MatchResult, for ``load_back``
         probe(self.name)
         self._hicache_on = False
         self.args: Any = None  # the published ServerArgs (``_publish_args``)
@@ -191,6 +195,7 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
         """The device part of SGLang's hit (module docstring)."""
         node = self.tree.node_by_id(got.best_match_node)
         self._host_match = (self._page_of(node.id),)  # where it ends on either tier
+        self._match = got
         # Up from SGLang's hit to the deepest state on the device (module docstring).
         while node is not self.tree.root_node and \
                 node.component_data[self.mamba_ct].value is None:
@@ -206,6 +211,29 @@ class SglangMambaHiCacheAdapter(SglangMambaAdapter):
         if self._host_match is None:
             raise ValueError(f"{self.name}: no match with host hits to report")
         return self._host_match[0]
+
+    def load_back(self) -> tuple[int, Key | None, int | None]:
+        """Act on the last ``match_prefix``'s host hit as the server's scheduler does
+        (HostLoadingMambaEngine, ``sglang_unified.load_back_as_scheduled``), the loads
+        acknowledged before it returns. A node whose
+        state is on the host only gives the request a state slot of its own
+        (``prepare_load_back``, components/mamba.py:794-819), which the caller holds
+        after it (DEV-M14)."""
+        if self._match is None:
+            raise ValueError(f"{self.name}: no match with host hits to load back")
+        self._tick()
+        got, self._match = self._match, None  # a match is loaded back once
+        req = SimpleNamespace(
+            rid=self.name, session=None, kv=self.req_kv(), last_node=got.last_device_node,
+            best_match_node=got.best_match_node, host_hit_length=int(got.host_hit_length),
+            swa_host_hit_length=0, mamba_host_hit_length=int(got.mamba_host_hit_length))
+        tokens, last = load_back_as_scheduled(self.env, self.cache, got, req, self.name)
+        self._settle()
+        slot = None
+        if req.kv.mamba_pool_idx is not None:
+            slot = int(req.kv.mamba_pool_idx) - 1  # as ``alloc_state`` numbers them
+            self.held_states.add(slot)
+        return tokens, self._page_of(last), slot
 
     def insert(self, key: Key, full_slots: Sequence[int], state: int) -> tuple[int, bool]:
         cached = len(self._cached_full(key, self._pages())) if isinstance(key, Key) else 0

@@ -72,6 +72,7 @@ from hiradix.conformance.hybrid.engine import (
 from hiradix.engines.protocol import EngineUnavailable, probe_engine
 from hiradix.engines.sglang.unified import (
     UnifiedEnv,
+    load_back_as_scheduled,
     node_ending_at,
     prepare,
     radix_key,
@@ -632,12 +633,8 @@ class SglangSwaAdapter:
 
     def load_back(self) -> tuple[int, Key | None]:
         """Act on the last ``match_prefix``'s host hit as the server's scheduler does
-        (HostLoadingSwaEngine): ``add_one_req`` holds the device match locked
-        (``_lock_node(req.last_node)``, schedule_policy.py:1430) and the best match locked
-        on both tiers (``_lock_node(best_match_node, lock_host=True)``, :1464) around
-        ``init_load_back`` (:1517); the batch then issues the loads
-        (``ready_to_load_host_cache``) and a later step acknowledges them
-        (``check_hicache_events``). Returns the full tokens loaded and the page the
+        (HostLoadingSwaEngine, ``sglang_unified.load_back_as_scheduled``), the loads
+        acknowledged before it returns. Returns the full tokens loaded and the page the
         request's prefix now ends at (None: the root)."""
         if self.hicache is None or self._match is None:
             raise ValueError(f"{self.name}: no match with host hits to load back")
@@ -648,24 +645,9 @@ class SglangSwaAdapter:
         req.best_match_node = got.best_match_node
         req.host_hit_length = int(got.host_hit_length)
         req.swa_host_hit_length = int(got.swa_host_hit_length)
-        device = self.cache.lock(got.last_device_node)
-        host = self.cache.inc_host_lock_ref(got.best_match_node).to_dec_params()
-        best = self.cache.lock(got.best_match_node)
-        try:
-            loaded = self.cache.init_load_back(self.m["base"].InitLoadBackParams(
-                best_match_node=got.best_match_node, host_hit_length=req.host_hit_length,
-                req=req))
-        finally:
-            self.cache.unlock(best)
-            self.cache.dec_host_lock_ref(got.best_match_node, host)
-            self.cache.unlock(device)
-        if loaded is None:
-            raise AssertionError(f"{self.name}: init_load_back returned None, which only "
-                                 "its buffer mode may")
-        self.cache.ready_to_load_host_cache()
+        tokens, last = load_back_as_scheduled(self.env, self.cache, got, req, self.name)
         self._settle()
-        tokens, last = loaded
-        return int(tokens), self._page_of(self.tree.node_by_id(last))
+        return tokens, self._page_of(self.tree.node_by_id(last))
 
     def insert(self, key: Key, full_slots: Sequence[int], swa_evicted: int) -> int:
         self._tick()

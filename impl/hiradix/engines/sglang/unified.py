@@ -246,6 +246,35 @@ def load_back_params(env: UnifiedEnv, best: int, last_device: int, host_hit: int
         best_match_node=best, host_hit_length=host_hit, mem_quota=quota, req=req)
 
 
+def load_back_as_scheduled(env: UnifiedEnv, cache: Any, match: Any, req: Any,
+                           engine: str) -> tuple[int, int]:
+    """Act on ``match`` (a ``MatchResult`` with host hits) as the server's scheduler does
+    for a request ``req`` that carries it (``match_prefix_and_adopt``'s fields):
+    ``add_one_req`` holds the device match locked (``_lock_node(req.last_node)``,
+    schedule_policy.py:1430) and the best match locked on both tiers
+    (``_lock_node(best_match_node, lock_host=True)``, :1464) around ``init_load_back``
+    (:1517), then the batch issues the loads (``ready_to_load_host_cache``); a later
+    step acknowledges them. Returns ``init_load_back``'s answer: the full tokens loaded
+    and the node the request's prefix now ends at."""
+    device = cache.lock(match.last_device_node)
+    host = cache.inc_host_lock_ref(match.best_match_node).to_dec_params()
+    best = cache.lock(match.best_match_node)
+    try:
+        loaded = cache.init_load_back(env.modules["base"].InitLoadBackParams(
+            best_match_node=match.best_match_node, host_hit_length=req.host_hit_length,
+            req=req))
+    finally:
+        cache.unlock(best)
+        cache.dec_host_lock_ref(match.best_match_node, host)
+        cache.unlock(device)
+    if loaded is None:
+        raise AssertionError(f"{engine}: init_load_back returned None, which only its "
+                             "buffer mode may")
+    cache.ready_to_load_host_cache()
+    tokens, last = loaded
+    return int(tokens), last
+
+
 def radix_key(env: UnifiedEnv, key: Key) -> Any:
     from array import array
     return env.modules["radix"].RadixKey(token_ids=array("q", key.tokens),
