@@ -41,8 +41,10 @@ class MambaHostPageView:
 
 @dataclass(frozen=True)
 class MambaHostView:
-    """The engine's host tier (13m.8b), held to the host invariants after every step
-    (not yet to the host operations: the machine does not drive them)."""
+    """The engine's host tier (13m.8b), held to the host invariants after every step, and
+    to 13m.8b's ``load_back`` where the machine drives one (``HostLoadingMambaEngine``);
+    backups and host evictions happen inside the engine's calls, so only their results
+    are judged."""
 
     pages: Mapping[Key, MambaHostPageView]  # every page with a host copy of either kind
     full_slots: int  # the host full pool's size
