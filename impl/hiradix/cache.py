@@ -902,13 +902,29 @@ class HiRadixCache:
         node.device = None
         self.evictable_tokens -= node.length  # INV-ACCOUNTING: it was unlocked
         self.device_leaves.discard(node)
-        if node.host is not None:
-            self.refresh_leaf_sets(node)  # now perhaps a host leaf
-            assert node.parent is not None
-            self.refresh_leaf_sets(node.parent)
-        else:
+        if node.host is None:
             assert not node.children, f"{node!r}: a device-only leaf with children"
             self._detach(node)
+            return node.length
+        # refresh_leaf_sets(node), for what can have changed: it is a host leaf now if
+        # nothing protects its copy and no child hangs below (it was no host leaf
+        # while it was on device, and it is unlocked).
+        if node.host_ref == 0 and not node.children and node not in self.host_leaves:
+            self.host_leaves.add(node)
+            self._host_order.joined(node)
+        # refresh_leaf_sets(parent), likewise: it keeps a child, so it stays no host
+        # leaf; it was no device leaf (node was a device child of it) and is one now if
+        # it is an unlocked device node whose children are all off the device.
+        parent = node.parent
+        assert parent is not None
+        if parent is self.root or parent.device is None or parent.lock_ref:
+            return node.length
+        for child in parent.children.values():  # a loop: cheaper than any() on a genexpr
+            if child.device is not None:
+                return node.length
+        if parent not in self.device_leaves:
+            self.device_leaves.add(parent)
+            self._device_order.joined(parent)
         return node.length
 
     def _detach(self, node: TreeNode) -> None:
