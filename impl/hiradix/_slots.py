@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 
@@ -425,19 +425,13 @@ class SlotMarks:
 
     def __init__(self, num_slots: int) -> None:
         self.tensor = torch.zeros(num_slots, dtype=torch.bool)
-        self._num_slots = num_slots
+        # Fixed for the flags' life, and read by every eviction's release: attributes,
+        # not properties (issue 29: a property is a Python call per read).
+        self.num_slots: Final = num_slots
+        # Where the flags live (one byte each), for a C loop that clears them as it
+        # releases the slots (``PageAllocator.release_parts``).
+        self.address: Final = self.tensor.data_ptr()
         self._bits = native_core()
-        self._at = self.tensor.data_ptr()
-
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def address(self) -> int:
-        """Where the flags live (one byte each), for a C loop that clears them as it
-        releases the slots (``PageAllocator.release_parts``)."""
-        return self._at
 
     def set(self, slots: torch.Tensor, value: bool) -> None:
         """Flag (``value`` True) or unflag every slot of ``slots`` (each in range)."""
@@ -445,7 +439,7 @@ class SlotMarks:
             self.tensor.index_fill_(0, slots, value)
             return
         assert slots.dtype == torch.int64 and slots.is_cpu and slots.dim() == 1
-        done = self._bits.set_marks(self._at, self._num_slots, slots.data_ptr(),
+        done = self._bits.set_marks(self.address, self.num_slots, slots.data_ptr(),
                                     slots.numel(), slots.stride(0), value)
         assert done, "flagged a slot out of range"
 
@@ -457,7 +451,7 @@ class SlotMarks:
             except IndexError:
                 return None
         assert slots.dtype == torch.int64 and slots.is_cpu and slots.dim() == 1
-        found = self._bits.any_marked(self._at, self._num_slots, slots.data_ptr(),
+        found = self._bits.any_marked(self.address, self.num_slots, slots.data_ptr(),
                                       slots.numel(), slots.stride(0))
         return None if found < 0 else bool(found)
 
