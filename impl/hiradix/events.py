@@ -64,6 +64,10 @@ class EventChannel:
 
     def __init__(self, sink: EventSink | None = None) -> None:
         self._sink = check_sink(sink)
+        # Whether events are wanted (a sink is set): emit sites build nothing otherwise.
+        # Kept by the sink's setter; an attribute, since every eviction victim reads it
+        # (issue 29: a property is a Python call per read).
+        self.enabled = self._sink is not None
         self._buffer: deque[KVEvent] = deque()
         self._depth = 0  # operations running (nested ones included)
         self._delivering = False
@@ -76,11 +80,7 @@ class EventChannel:
     @sink.setter
     def sink(self, sink: EventSink | None) -> None:
         self._sink = check_sink(sink)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether events are wanted (a sink is set): emit sites build nothing otherwise."""
-        return self._sink is not None
+        self.enabled = self._sink is not None
 
     def emit(self, event: KVEvent) -> None:
         """Queue ``event`` for the end of the running operation (or offer it now, when
