@@ -838,41 +838,30 @@ class HiRadixCache:
         return evicted
 
     def _evict(self, target: int) -> tuple[int, list[DeviceVictim]]:
+        """Victims in rank order until ``target`` tokens are freed (or none is left);
+        returns the tokens freed and the victims. The loop is inline: a scheduler evicts
+        on most steps, one or two nodes at a time (issue 29: a call less per eviction)."""
         order = self._device_order
         order.begin()
+        write_back = self.config.write_policy == "write_back"
+        recorder = self.recorder
         victims: list[DeviceVictim] = []
         kept: set[TreeNode] = set()  # write_back victims neither copied nor droppable
         freed: list[torch.Tensor] = []  # device slots, released in one call at the end
-        try:
-            evicted = self._evict_loop(target, victims, kept, freed)
-        finally:  # also when a write_back victim's collective failed (spec/12, 12.6)
-            for node in kept:  # still evictable leaves: back in the order for later calls
-                if node in self.device_leaves:
-                    order.push_back(node)
-            # The nodes dropped their slots ``releasing``: their ownership flags are
-            # cleared here, with the release, in one call for the whole eviction.
-            self.device_pool.release_parts(freed, self._device_owned)
-        return evicted, victims
-
-    def _evict_loop(self, target: int, victims: list[DeviceVictim], kept: set[TreeNode],
-                    freed: list[torch.Tensor]) -> int:
-        """``_evict``'s loop: victims until ``target`` tokens are freed; returns them."""
-        order = self._device_order
-        write_back = self.config.write_policy == "write_back"
-        recorder = self.recorder
         evicted = 0
-        while evicted < target:
-            node = order.pop()
-            if node is None:
-                break
-            if node in kept:  # popped again after a compaction requeued it
-                continue
-            assert node.parent is not None
-            if node.host is not None or not write_back:
-                if recorder is not None:  # page refs cost O(prefix) to build
-                    victims.extend(DeviceVictim(p) for p in self.page_refs(node))
-                evicted += self._drop_device_copy(node, freed)
-            else:
+        try:
+            while evicted < target:
+                node = order.pop()
+                if node is None:
+                    break
+                if node in kept:  # popped again after a compaction requeued it
+                    continue
+                assert node.parent is not None
+                if node.host is not None or not write_back:
+                    if recorder is not None:  # page refs cost O(prefix) to build
+                        victims.extend(DeviceVictim(p) for p in self.page_refs(node))
+                    evicted += self._drop_device_copy(node, freed)
+                    continue
                 if node.length > self.page_size:
                     # write_back moves one page at a time, so that a host that fills up
                     # half way through a node drops only what did not fit.
@@ -880,11 +869,19 @@ class HiRadixCache:
                     self.refresh_leaf_sets_around(upper)
                 victim, moved = self._evict_write_back(node, freed)
                 victims.append(victim)
-                if not moved:
+                if moved:
+                    evicted += self.page_size
+                else:
                     kept.add(node)
-                    continue
-                evicted += self.page_size
-        return evicted
+        finally:  # also when a write_back victim's collective failed (spec/12, 12.6)
+            for node in kept:  # still evictable leaves: back in the order for later calls
+                if node in self.device_leaves:
+                    order.push_back(node)
+            # The nodes dropped their slots ``releasing``: their ownership flags are
+            # cleared here, with the release, in one call for the whole eviction (the
+            # allocator's own, not the pool's forwarding one: issue 29).
+            self.device_pool.allocator.release_parts(freed, self._device_owned)
+        return evicted, victims
 
     def _drop_device_copy(self, node: TreeNode, freed: list[torch.Tensor]) -> int:
         """Drop ``node``'s device copy; its slots go to ``freed``, for the caller to
