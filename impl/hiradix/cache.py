@@ -13,11 +13,10 @@ error from ``hiradix.errors`` leaves the cache as it was.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Concatenate, Literal, NamedTuple, ParamSpec, TypeVar
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -37,7 +36,15 @@ from hiradix.errors import (
     RankSyncError,
     SlotError,
 )
-from hiradix.events import EventChannel, EventKind, EventSink, KVEvent, Medium, check_sink
+from hiradix.events import (
+    EventChannel,
+    EventKind,
+    EventSink,
+    KVEvent,
+    Medium,
+    check_sink,
+    delivering,
+)
 from hiradix.host_pool import HostKVPool, HostLayout
 from hiradix.keys import TOKEN_BYTES, RadixKey, child_key, common_pages, holds_at
 from hiradix.policies import EvictionOrder, Strategy, WritePolicy, backup_threshold
@@ -48,26 +55,12 @@ from hiradix.tree import TreeNode, split
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 
-Params = ParamSpec("Params")
-Returned = TypeVar("Returned")
-
 
 def check_clock(clock: object) -> None:
     """None or a ``Clock`` (a callable ``now``), else ``ConfigError`` naming ``clock``."""
     if clock is not None and not (isinstance(clock, Clock) and callable(clock.now)):
         raise ConfigError("clock", f"must be None or a Clock (a now() -> int method), got "
                                    f"{type(clock).__name__}")
-
-
-def _delivering(method: Callable[Concatenate[HiRadixCache, Params], Returned]
-                ) -> Callable[Concatenate[HiRadixCache, Params], Returned]:
-    """``method`` as one operation of the event channel: its KV events reach the sink
-    after it has returned, its state whole (spec/11, 11.7)."""
-    @functools.wraps(method)
-    def operation(self: HiRadixCache, /, *args: Params.args, **kwargs: Params.kwargs
-                  ) -> Returned:  # ``self`` positional only, as ``Concatenate`` says
-        return self.event_channel.run(method, self, *args, **kwargs)
-    return operation
 
 
 class MatchResult(NamedTuple):
@@ -230,7 +223,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ state
 
-    @_delivering
+    @delivering
     def reset(self) -> None:
         """Drop everything, including copies in flight and slots callers hold."""
         if self.on_reset is not None:
@@ -602,7 +595,7 @@ class HiRadixCache:
             return False
         return self.device_pool.allocator.held_once(heads)
 
-    @_delivering
+    @delivering
     def insert(self, key: RadixKey, slots: torch.Tensor, *, priority: int = 0,
                chunked: bool = False, counted_from: int = 0) -> int:
         """Cache ``key`` (KV in ``slots``); return the tokens that were already cached.
@@ -732,7 +725,7 @@ class HiRadixCache:
             self.recorder.backups.append(BackupDecision(
                 tuple(victims), None if host is None else tuple(host.tolist())))
 
-    @_delivering
+    @delivering
     def write_backup(self, node: TreeNode) -> bool:
         """Back up ``node`` and the ancestors above it that lack a host copy, in one copy.
 
@@ -743,7 +736,7 @@ class HiRadixCache:
             raise InvalidArgument("node", "must be on device and not yet backed up")
         return self._backup(self._missing_suffix(node))
 
-    @_delivering
+    @delivering
     def writing_check(self) -> int:
         """Acknowledge the device-to-host copies that finished (FIFO); return how many.
 
@@ -764,14 +757,14 @@ class HiRadixCache:
         finally:
             self._in_tier_writing_check = False
 
-    @_delivering
+    @delivering
     def acknowledge_writes(self) -> int:
         """``writing_check`` without the storage backups: acknowledge the device-to-host
         copies that finished (FIFO); return how many. For the storage tier, which backs
         the acknowledged pages up itself."""
         return self._acknowledge("d2h")
 
-    @_delivering
+    @delivering
     def loading_check(self) -> int:
         """Acknowledge the host-to-device copies that finished (FIFO); return how many."""
         return self._acknowledge("h2d")
@@ -827,7 +820,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ eviction
 
-    @_delivering
+    @delivering
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device tokens in rank order (or all evictable)."""
         if type(num_tokens) is not int or num_tokens < 0:  # the check, inline on success
@@ -997,7 +990,7 @@ class HiRadixCache:
         self.host_pool.release_parts(host_freed)
         self._detach(node)
 
-    @_delivering
+    @delivering
     def evict_host(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` host tokens of host-only pages (or all evictable)."""
         self._require_count(num_tokens, "num_tokens")
@@ -1051,7 +1044,7 @@ class HiRadixCache:
 
     # ------------------------------------------------------------------ load back
 
-    @_delivering
+    @delivering
     def load_back(self, node: TreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
         """Start copying the host-only chain ending at ``node`` to device, all or nothing.
 
@@ -1129,7 +1122,7 @@ class HiRadixCache:
             self.recorder.loads.append(LoadDecision(
                 tuple(victims), None if device is None else tuple(device.tolist())))
 
-    @_delivering
+    @delivering
     def init_load_back(self, node: TreeNode,
                        mem_quota: int | None = None) -> tuple[torch.Tensor, TreeNode]:
         """Load ``node`` back if it is host-only; return the slots and the node to use."""
@@ -1194,7 +1187,7 @@ class HiRadixCache:
         self._storage = tier
         return outcome
 
-    @_delivering
+    @delivering
     def detach_storage_backend(self) -> bool:
         """Detach the storage tier (spec/09, 9.4 ``detach_storage``): its I/O drains and
         stops, every slot it held is given back. False if none was attached."""

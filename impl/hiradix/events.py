@@ -14,10 +14,11 @@ that raises cannot leave a half-done mutation behind (issue 34, spec/11 11.7).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, ParamSpec, TypeVar
+from typing import Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 from hiradix.errors import ConfigError, EventSinkError
 
@@ -106,14 +107,17 @@ class EventChannel:
         try:
             result = operation(*args, **kwargs)
         except BaseException as error:
-            self._depth -= 1
-            if self._depth == 0 and self._buffer and not self._delivering:
-                self._deliver(None, error)
+            self._end(None, error)
             raise
+        self._end(result, None)
+        return result
+
+    def _end(self, result: object, failed: BaseException | None) -> None:
+        """An operation has returned ``result`` or raised ``failed``: the outermost one
+        offers the buffer."""
         self._depth -= 1
         if self._depth == 0 and self._buffer and not self._delivering:
-            self._deliver(result, None)
-        return result
+            self._deliver(result, failed)
 
     def _deliver(self, result: object, failed: BaseException | None) -> None:
         """Offer the buffer in order. An operation the sink itself runs meanwhile queues
@@ -154,3 +158,34 @@ class EventLog:
     def take(self) -> list[KVEvent]:
         taken, self.events = self.events, []
         return taken
+
+
+class ChannelOwner(Protocol):
+    """What ``delivering`` decorates the methods of: an object with an event channel."""
+
+    event_channel: EventChannel
+
+
+Owner = TypeVar("Owner", bound=ChannelOwner)
+
+
+def delivering(method: Callable[Concatenate[Owner, Params], Result]
+               ) -> Callable[Concatenate[Owner, Params], Result]:
+    """``method`` as one operation of its object's ``event_channel``: its KV events reach
+    the sink after it has returned, its state whole (spec/11, 11.7). ``run`` written out
+    around the method, with the usual return inline: every cache operation passes here
+    (issue 29: a call and an argument repacking less per operation)."""
+    @functools.wraps(method)
+    def operation(self: Owner, /, *args: Params.args, **kwargs: Params.kwargs) -> Result:
+        channel = self.event_channel
+        channel._depth += 1
+        try:
+            result = method(self, *args, **kwargs)
+        except BaseException as error:
+            channel._end(None, error)
+            raise
+        channel._depth -= 1
+        if channel._depth == 0 and channel._buffer and not channel._delivering:
+            channel._deliver(result, None)
+        return result
+    return operation
