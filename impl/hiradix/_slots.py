@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Final, Literal
+from typing import Final, Literal, NoReturn
 
 import torch
 
@@ -291,8 +291,24 @@ class PageAllocator:
         call. An eviction's or a host-room release is one such call (issue 13)."""
         if not parts:
             return
-        if self._bits is not None:
-            self._release_native(parts, unmark)
+        bits = self._bits
+        if bits is not None:  # in C: the same checks, in one loop over the heads
+            runs: list[int] = []
+            int64 = torch.int64
+            for slots in parts:
+                # The C loop reads raw memory: CPU int64 tensors, or nothing at all. (Per
+                # part of an eviction, so the cheapest reads: ``stride()``'s one element
+                # costs half of ``stride(0)``'s argument parsing; issue 29.)
+                assert slots.dtype is int64 and slots.is_cpu and slots.ndim == 1
+                runs += (slots.data_ptr(), slots.numel(), *slots.stride())
+            # The C loop clears a flag per released slot: the flags must cover this pool.
+            assert unmark is None or unmark.num_slots == self._num_slots
+            top = bits.release(self._held_at, self._num_slots, self._stack_at, self._top,
+                               0 if unmark is None else unmark.address, self._page_size,
+                               tuple(runs))
+            if top < 0:  # nothing changed
+                self._explain_refused_release(parts, unmark)
+            self._top = top
             return
         slots = parts[0] if len(parts) == 1 else torch.cat(list(parts))
         if unmark is not None:  # every slot indexes a flag: all in range before any change
@@ -329,36 +345,22 @@ class PageAllocator:
             raise AssertionError("released a page that is not allocated")
         self._push(heads)
 
-    def _release_native(self, parts: Sequence[torch.Tensor], unmark: SlotMarks | None) -> None:
-        """``release_parts`` in C: the same checks, in one loop over the heads."""
-        runs: list[int] = []
-        int64 = torch.int64
-        for slots in parts:
-            # The C loop reads raw memory: CPU int64 tensors, or nothing at all. (Per
-            # part of an eviction, so the cheapest reads: ``stride()``'s one element
-            # costs half of ``stride(0)``'s argument parsing.)
-            assert slots.dtype is int64 and slots.is_cpu and slots.ndim == 1
-            runs += (slots.data_ptr(), slots.numel(), *slots.stride())
-        assert self._bits is not None
-        # The C loop clears a flag per released slot: the flags must cover this pool.
-        assert unmark is None or unmark.num_slots == self._num_slots
-        top = self._bits.release(self._held_at, self._num_slots, self._stack_at, self._top,
-                                 0 if unmark is None else unmark.address, self._page_size,
-                                 tuple(runs))
-        if top < 0:  # nothing changed: explain
-            size = self._page_size
-            assert all(p.numel() % size == 0 for p in parts), \
-                "released slots that are not whole pages"
-            slots = torch.cat(list(parts))
-            checked = slots if unmark is not None else slots[::size]
-            assert not bool(((checked < 0) | (checked >= self._num_slots)).any()), \
-                "released a slot out of range"
-            heads = slots[::size]
-            assert not bool(heads.remainder(size).any()), \
-                "released slots that are not whole pages"
-            assert not self.repeated(heads), "released a page twice in one call"
-            raise AssertionError("released a page that is not allocated")
-        self._top = top
+    def _explain_refused_release(self, parts: Sequence[torch.Tensor],
+                                 unmark: SlotMarks | None) -> NoReturn:
+        """Why the C loop refused a ``release_parts`` (it changed nothing): the assert
+        that names the reason."""
+        size = self._page_size
+        assert all(p.numel() % size == 0 for p in parts), \
+            "released slots that are not whole pages"
+        slots = torch.cat(list(parts))
+        checked = slots if unmark is not None else slots[::size]
+        assert not bool(((checked < 0) | (checked >= self._num_slots)).any()), \
+            "released a slot out of range"
+        heads = slots[::size]
+        assert not bool(heads.remainder(size).any()), \
+            "released slots that are not whole pages"
+        assert not self.repeated(heads), "released a page twice in one call"
+        raise AssertionError("released a page that is not allocated")
 
     def repeated(self, slots: torch.Tensor) -> bool:
         """Whether a slot of ``slots`` (int64, each in range; page heads, say) occurs
