@@ -39,7 +39,7 @@ class HybridCampaign(ComponentCampaign):
     reach_when = (("scheduled_examples", REACH_SCHEDULED),
                   ("alloc_evicting_examples", ("evict_for_alloc",)),
                   ("host_checks", ("host_pages_seen", "host_matches", "host_hits",
-                                   "load_backs")),
+                                   "load_backs", "load_backs_swa_only")),
                   ("host_deviation_checks", ("host_deviations_met",)))
 
 

@@ -462,15 +462,20 @@ def make_swa_machine(build: Build, config: SwaConfig,
         @precondition(lambda self: self.loader is not None)
         @rule(data=st.data(), tail=st.lists(st.integers(1, 3), max_size=3).map(tuple))
         def load_back(self, data: st.DataObject, tail: tuple[int, ...]) -> None:
-            """A request whose prefix reaches host-only KV (a host-only page's tokens and
-            ``tail``): matched, then loaded back as its server does; the engine's state
+            """A request whose prefix reaches KV on the host only (a host-only page's or an
+            SWA host copy's tokens and ``tail``): matched, then loaded back as its server
+            does; the engine's state
             after it must be 13.8a's ``load_back`` of what the match reached, into the
             device slots the engine chose. A load that would need an eviction first is
             not made (the machine cannot yet tell the two apart)."""
             assert self.loader is not None
             engine_before = self.host_state()
             assert engine_before is not None
-            hosted = sorted(set(engine_before.host) - set(engine_before.pages),
+            # Host-only pages (a full load), and device tombstones with an SWA host copy
+            # (an SWA-only load, healing them: the host hits DEV-H13 counts).
+            hosted = sorted((k for k, p in engine_before.host.items()
+                             if k not in engine_before.pages
+                             or (p.swa is not None and not engine_before.pages[k].live)),
                             key=lambda k: k.tokens)
             if not hosted:
                 seen["load_back_nothing_hosted"] += 1
@@ -497,6 +502,7 @@ def make_swa_machine(build: Build, config: SwaConfig,
             seen["load_backs_nothing_to_load"] += plan.empty
             seen["load_back_full_pages"] += len(plan.full)
             seen["load_back_swa_pages"] += len(plan.swa)
+            seen["load_backs_swa_only"] += bool(plan.swa) and not plan.full
             seen["load_back_dev_h12_pages"] += len(dev_h12_pages(before, plan, engine_after))
             self.check("load_back")
 

@@ -330,8 +330,9 @@ def make_mamba_machine(build: Build, config: MambaConfig,
         @precondition(lambda self: self.loader is not None)
         @rule(data=st.data(), tail=st.lists(st.integers(1, 3), max_size=3).map(tuple))
         def load_back(self, data: st.DataObject, tail: tuple[int, ...]) -> None:
-            """A request whose prefix reaches host-only KV (a host-only page's tokens and
-            ``tail``): matched, then loaded back as its server does; the engine's state
+            """A request whose prefix reaches KV or a state on the host only (a host-only
+            page's or a host state's tokens and ``tail``): matched, then loaded back as its
+            server does; the engine's state
             after it must be 13m.8b's ``load_back`` of what the match reached (and, where
             it restored a state, the request's copy of it, DEV-M14), into the slots the
             engine chose. The request then ends, returning its copy. A load that would
@@ -339,7 +340,12 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             assert self.loader is not None
             engine_before = self.host_state()
             assert engine_before is not None
-            hosted = sorted(set(engine_before.host) - set(engine_before.pages),
+            # Host-only pages (a full load), and device pages whose state is on the host
+            # only (a load of the state alone).
+            hosted = sorted((k for k, p in engine_before.host.items()
+                             if k not in engine_before.pages
+                             or (p.state is not None
+                                 and engine_before.pages[k].state is None)),
                             key=lambda k: k.tokens)
             if not hosted:
                 seen["load_back_nothing_hosted"] += 1
@@ -365,6 +371,7 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             seen["load_backs_nothing_to_load"] += plan.empty
             seen["load_back_full_pages"] += len(plan.full)
             seen["load_back_states"] += plan.state
+            seen["load_backs_state_only"] += plan.state and not plan.full
             self.check(f"load_back({key.tokens})")
             if slot is not None:  # the request ends: its copy goes back to the pool
                 self.engine.free_state(slot)
