@@ -175,10 +175,14 @@ def test_a_bug_planted_in_a_request_path_fails_the_machine(
 def test_the_machine_finds_a_lost_swa_boundary_by_itself(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Not scripted: the machine's own search meets the planted bug (unshrunk, to keep
-    the test short; ``hiradix check`` shrinks)."""
+    the test short; ``hiradix check`` shrinks). Up to 12 seeded batches: which of them
+    meet it moves with what ran before in the process (SGLang's node ids are global, and
+    break its LRU ties), and with the machine's rules (the load-back rule's arrival left
+    the first four batches without it after the engine tests before this one; alone, 7
+    of the first 12 meet it, each in about a second)."""
     insert_told_the_old_cursor(monkeypatch)
     config = SwaConfig(page_size=2, full_slots=20, swa_slots=10, window=3)
-    found = seeded_failure(make_swa_machine(build, config))
+    found = seeded_failure(make_swa_machine(build, config), batches=12)
     assert re.search(r"(?s)after checkpoint\(.*swa_free: model", found), found or "not found"
 
 
