@@ -316,7 +316,10 @@ class HiRadixCache:
         """Recompute ``node``'s membership of the two evictable-leaf sets, after a change
         of its tiers, counters or children (INV-DEVICE-/HOST-EVICTABLE-LEAVES; the storage
         tier's host protections keep pages out of them, spec/09 9.4 "Changes to
-        operations of 03")."""
+        operations of 03").
+
+        ``_drop_device_copy`` writes these rules out for eviction's one case, for speed:
+        a change to either set's rule here must be made there too."""
         if node is self.root:
             return
         device_leaf = node.device is not None and node.lock_ref == 0
@@ -883,7 +886,8 @@ class HiRadixCache:
         ``_set_device(node, None, releasing=True)`` and ``refresh_leaf_sets_around`` written out
         for the one case eviction has (issue 13: an unlocked device leaf losing its
         copy), so each counter and leaf set is touched once: the node was an evictable
-        device leaf, and only it and its parent can change leaf sets."""
+        device leaf, and only it and its parent can change leaf sets. The two rules below
+        are ``refresh_leaf_sets``' own, specialised: change them together."""
         device = node.device
         assert device is not None and node.lock_ref == 0
         if self.event_channel.enabled:

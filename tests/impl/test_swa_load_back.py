@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hiradix.conformance.hybrid.load_back import dev_h12_pages, expected_load, load_plan
+from hiradix.conformance.hybrid.load_back import dev_h12_pages, expected_load, plan_for_key
 from hiradix_model import Key
 from hiradix_model import hybrid as H
 
@@ -40,7 +40,7 @@ def loaded(s: H.SwaState) -> H.SwaState:
 
 def test_the_models_own_load_passes() -> None:
     before = hosted()
-    plan = load_plan(before, PATH)
+    plan = plan_for_key(before, PATH)
     assert plan.anchor == PATH and plan.device_end is None and plan.hit_tokens == 12
     assert plan.full == tuple(deep(n) for n in range(1, 13))
     assert plan.swa == tuple(deep(n) for n in range(9, 13)) and plan.fits(before)
@@ -51,7 +51,7 @@ def test_the_models_own_load_passes() -> None:
 
 def test_a_wrong_report_fails() -> None:
     before = hosted()
-    _, problems = expected_load(before, load_plan(before, PATH), 8, deep(8), loaded(before))
+    _, problems = expected_load(before, plan_for_key(before, PATH), 8, deep(8), loaded(before))
     assert len(problems) == 1 and "the model 12 tokens" in problems[0]
 
 
@@ -61,7 +61,7 @@ def test_a_window_page_left_dead_fails() -> None:
     dead = replace(after, pages={**after.pages, deep(9): replace(after.pages[deep(9)],
                                                                 swa=None)},
                    swa_free=after.swa_free | {0})
-    _, problems = expected_load(before, load_plan(before, PATH), 12, PATH, dead)
+    _, problems = expected_load(before, plan_for_key(before, PATH), 12, PATH, dead)
     assert len(problems) == 1 and "are not on the device after it" in problems[0]
     assert f"pages [{deep(9).tokens}]" in problems[0]
 
@@ -70,13 +70,13 @@ def test_a_load_fits_only_with_room_for_whole_nodes() -> None:
     """12 full slots and the window's 4 SWA slots free, but not the 8 more SGLang's
     whole-node load may take (DEV-H12): the machine does not make that load."""
     before = replace(hosted(), swa_free=frozenset(range(11)))
-    assert not load_plan(before, PATH).fits(before)
-    assert load_plan(hosted(), PATH).fits(hosted())
+    assert not plan_for_key(before, PATH).fits(before)
+    assert plan_for_key(hosted(), PATH).fits(hosted())
 
 
 def test_slots_that_were_not_free_fail() -> None:
     before = replace(hosted(), full_free=frozenset(range(1, 16)))  # slot 0 taken
-    _, problems = expected_load(before, load_plan(before, PATH), 12, PATH, loaded(hosted()))
+    _, problems = expected_load(before, plan_for_key(before, PATH), 12, PATH, loaded(hosted()))
     assert len(problems) == 1 and "the model refuses it" in problems[0]
 
 
@@ -93,7 +93,7 @@ def test_swa_kv_for_the_rest_of_the_windows_top_node_is_dev_h12() -> None:
     """SGLang loads the SWA KV of the whole node covering the window's top: pages right
     above the window, accepted and expected in the state."""
     before = hosted()
-    plan = load_plan(before, PATH)
+    plan = plan_for_key(before, PATH)
     after = with_swa(with_swa(loaded(before), deep(8), 4, before), deep(7), 5, before)
     assert dev_h12_pages(before, plan, after) == [deep(7), deep(8)]
     assert expected_load(before, plan, 12, PATH, after) == (after, [])
@@ -104,13 +104,13 @@ def test_swa_kv_loaded_elsewhere_fails() -> None:
     node's rest: named."""
     before = hosted()
     after = with_swa(loaded(before), deep(7), 4, before)
-    _, problems = expected_load(before, load_plan(before, PATH), 12, PATH, after)
+    _, problems = expected_load(before, plan_for_key(before, PATH), 12, PATH, after)
     assert len(problems) == 1 and "DEV-H12" in problems[0]
 
 
 def test_with_nothing_to_load_nothing_may_change() -> None:
     before = loaded(hosted())
-    plan = load_plan(before, PATH)
+    plan = plan_for_key(before, PATH)
     assert plan.empty and plan.device_end == PATH
     assert expected_load(before, plan, 0, PATH, before) == (before, [])
     _, problems = expected_load(before, plan, 4, PATH, before)

@@ -1,5 +1,6 @@
 """An engine's host tier held to its component model's host invariants, state by state:
-the judge the SWA machine (spec/13 13.8a) and the Mamba machine (spec/13m 13m.8b) share.
+the judge the SWA machine (spec/13 13.8a) and the Mamba machine (spec/13m 13m.8b) share,
+with the two-tier bookkeeping both machines' load backs use (``HostTier``).
 
 The machine abstracts the engine's host pools into the model's host fields (``host``:
 page -> its host copies, the host free sets, the host content maps) and asks each host
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
-from typing import TypeVar
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
 
 from hiradix_model import Key
 from hiradix_model.hybrid import SwaState
@@ -50,3 +51,40 @@ def assert_host_match(key: Key, page: Key | None, want: Key | None, device: Key 
     if page != want:
         found.append(f"engine ends at {page}, model at {want}")
     assert not found, f"match_prefix({key.tokens}) with host hits:\n  " + "\n  ".join(found)
+
+
+@dataclass(frozen=True)
+class HostTier(Generic[State]):
+    """The fields of a component model's state that make its host tier (``fields``).
+
+    The machines keep a model of the device tier only, held to the engine step by step;
+    the host tier they read off the engine and hold to the model's host invariants. A load
+    back joins the two (``two_tier``), is judged on the whole, and hands the machine back
+    its device part (``device_part``)."""
+
+    fields: tuple[str, ...]
+
+    def two_tier(self, device_model: State, engine_state: State) -> State:
+        """The model's device tier with the engine's host tier (and host pool sizes): the
+        state a load back starts from."""
+        return replace(device_model, config=engine_state.config,
+                       **{name: getattr(engine_state, name) for name in self.fields})
+
+    def device_part(self, state: State, device_model: State) -> State:
+        """``state`` with the host tier (and config) of ``device_model``."""
+        return replace(state, config=device_model.config,
+                       **{name: getattr(device_model, name) for name in self.fields})
+
+    def problems(self, engine_state: State, expected: State) -> list[str]:
+        """Where the engine's host tier differs from the model's."""
+        return [f"{name}: model {getattr(expected, name)}, engine "
+                f"{getattr(engine_state, name)}"
+                for name in self.fields if getattr(expected, name) != getattr(engine_state, name)]
+
+
+def load_starts(state: State, device_lacks: Callable[[Key], bool]) -> list[Key]:
+    """The host pages a load back may start from, in token order: those on the host only
+    (a full load) and those whose host copy holds a component that ``device_lacks``
+    (a load of that component alone)."""
+    return sorted((k for k in state.host if k not in state.pages or device_lacks(k)),
+                  key=lambda k: k.tokens)

@@ -109,10 +109,11 @@ def guided_orders(chains: list[list[Key]], start: S,
     ``taken[c]``: the pages of chain ``c`` taken before it). Where the interleavings are
     too many to try (``MAX_INTERLEAVINGS``), a step that knows the eviction's rules cuts
     them to the few it could have taken; at most ``MAX_GUIDED_STEPS`` steps in all."""
-    budget = [MAX_GUIDED_STEPS]
+    budget = MAX_GUIDED_STEPS
     order: list[Key] = []
 
     def walk(state: S, taken: tuple[int, ...]) -> Iterator[list[Key]]:
+        nonlocal budget
         if all(index == len(chain) for index, chain in zip(taken, chains, strict=True)):
             yield list(order)
             return
@@ -121,8 +122,8 @@ def guided_orders(chains: list[list[Key]], start: S,
                 continue
             page, rest = chain[taken[c]], (*taken[:c], taken[c] + 1, *taken[c + 1:])
             for following in step(state, page, chains, taken):
-                budget[0] -= 1
-                if budget[0] < 0:
+                budget -= 1
+                if budget < 0:
                     return
                 order.append(page)
                 yield from walk(following, rest)

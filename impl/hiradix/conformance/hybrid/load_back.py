@@ -1,7 +1,8 @@
 """A load back an engine made, as 13.8a's ``load_back`` (spec/13).
 
-The machine matches a key whose path reaches host-only KV, then has the engine act on
-the host hit as its server does (``HostLoadingSwaEngine.load_back``). Where the load
+The machine matches a key whose path reaches KV on the host only (a host-only page, or
+a device tombstone's SWA host copy), then has the engine act on the host hit as its
+server does (``HostLoadingSwaEngine.load_back``). Where the load
 goes is the engine's choice (the device slots it allocates); what it loads is not: the
 host-only pages of the anchor's path (full KV) and the pages of the anchor's window
 without device SWA KV (SWA KV), where the anchor is where 13.8a's ``match_prefix_host``
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hiradix.conformance.host_judge import HostTier
 from hiradix_model import Key
 from hiradix_model import hybrid as model
 from hiradix_model.errors import PreconditionError
@@ -52,7 +54,7 @@ class LoadPlan:
                 and ps * (len(self.swa) + len(self.beyond)) <= len(state.swa_free))
 
 
-def load_plan(state: SwaState, key: Key) -> LoadPlan:
+def plan_for_key(state: SwaState, key: Key) -> LoadPlan:
     """The load back of ``key``'s match with host hits in ``state``."""
     anchor = model.match_prefix_host(state, key).last_page
     full, swa = ([], []) if anchor is None else model.load_plan(state, anchor)
@@ -131,8 +133,8 @@ def _whole_node_swa(before: SwaState, plan: LoadPlan, after: SwaState,
         source, mine = before.host[key].swa, after.pages[key].swa
         assert source is not None and mine is not None  # a page of ``beyond``, now live
         pages[key] = replace(pages[key], swa=mine)
-        swa_kv.update({d: before.host_swa_kv[h] for d, h in zip(mine, source, strict=True)
-                       if h in before.host_swa_kv})
+        # As the model's load: INV-SWA-HOST-CONTENT holds of the engine's host tier.
+        swa_kv.update({d: before.host_swa_kv[h] for d, h in zip(mine, source, strict=True)})
         taken.update(mine)
     if not taken <= expected.swa_free:
         problems.append(f"DEV-H12 pages {[k.tokens for k in extra]} got SWA slots "
@@ -141,29 +143,5 @@ def _whole_node_swa(before: SwaState, plan: LoadPlan, after: SwaState,
                    swa_kv=swa_kv), problems
 
 
-HOST_FIELDS = ("host", "host_full_free", "host_swa_free", "host_full_kv", "host_swa_kv")
-
-
-def host_tier_problems(engine_state: SwaState, expected: SwaState) -> list[str]:
-    """Where the engine's host tier differs from the model's (13.8a)."""
-    problems = []
-    for name in HOST_FIELDS:
-        mine, theirs = getattr(expected, name), getattr(engine_state, name)
-        if mine != theirs:
-            problems.append(f"{name}: model {mine}, engine {theirs}")
-    return problems
-
-
-def two_tier(device_model: SwaState, engine_state: SwaState) -> SwaState:
-    """The model's device tier with the engine's host tier (and host pool sizes): the
-    state a load back starts from. The machine keeps only the device tier's model and
-    has held the engine to it; the host tier it has held to 13.8a's invariants."""
-    return replace(device_model, config=engine_state.config,
-                   **{name: getattr(engine_state, name) for name in HOST_FIELDS})
-
-
-def device_part(state: SwaState, device_model: SwaState) -> SwaState:
-    """``state`` with the host tier (and config) of ``device_model``, the machine's
-    device-tier model."""
-    return replace(state, config=device_model.config,
-                   **{name: getattr(device_model, name) for name in HOST_FIELDS})
+HOST_TIER: HostTier[SwaState] = HostTier(
+    ("host", "host_full_free", "host_swa_free", "host_full_kv", "host_swa_kv"))

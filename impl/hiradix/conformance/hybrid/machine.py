@@ -42,7 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from hiradix.conformance.host_judge import assert_host_match
+from hiradix.conformance.host_judge import assert_host_match, load_starts
 from hiradix.conformance.hybrid.abstraction import (
     Codes,
     abstract,
@@ -57,12 +57,10 @@ from hiradix.conformance.hybrid.engine import (
     SwaEngine,
 )
 from hiradix.conformance.hybrid.load_back import (
+    HOST_TIER,
     dev_h12_pages,
-    device_part,
     expected_load,
-    host_tier_problems,
-    load_plan,
-    two_tier,
+    plan_for_key,
 )
 from hiradix.conformance.victims import (
     MAX_INTERLEAVINGS,
@@ -473,10 +471,8 @@ def make_swa_machine(build: Build, config: SwaConfig,
             assert engine_before is not None
             # Host-only pages (a full load), and device tombstones with an SWA host copy
             # (an SWA-only load, healing them: the host hits DEV-H13 counts).
-            hosted = sorted((k for k, p in engine_before.host.items()
-                             if k not in engine_before.pages
-                             or (p.swa is not None and not engine_before.pages[k].live)),
-                            key=lambda k: k.tokens)
+            hosted = load_starts(engine_before, lambda k: engine_before.host[k].swa is not None
+                                 and not engine_before.pages[k].live)
             if not hosted:
                 seen["load_back_nothing_hosted"] += 1
                 return
@@ -484,8 +480,8 @@ def make_swa_machine(build: Build, config: SwaConfig,
             self.match(key)  # judged on both tiers as any match
             engine_before = self.host_state()
             assert engine_before is not None
-            before = two_tier(self.model, engine_before)
-            plan = load_plan(before, key)
+            before = HOST_TIER.two_tier(self.model, engine_before)
+            plan = plan_for_key(before, key)
             if not plan.fits(before):
                 seen["load_back_pools_short"] += 1
                 return
@@ -494,10 +490,10 @@ def make_swa_machine(build: Build, config: SwaConfig,
             assert engine_after is not None
             expected, problems = expected_load(before, plan, loaded, page, engine_after)
             problems += state_problems(engine_after, expected, self.node_locks)
-            problems += host_tier_problems(engine_after, expected)
+            problems += HOST_TIER.problems(engine_after, expected)
             assert not problems, (f"load_back({key.tokens}) from "
                                   f"{describe_pages(before)}:\n  " + "\n  ".join(problems))
-            self.model = device_part(expected, self.model)
+            self.model = HOST_TIER.device_part(expected, self.model)
             seen["load_backs"] += not plan.empty
             seen["load_backs_nothing_to_load"] += plan.empty
             seen["load_back_full_pages"] += len(plan.full)

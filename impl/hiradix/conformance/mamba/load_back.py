@@ -12,14 +12,13 @@ also hands the request a copy of it (DEV-M14): the model's ``fork`` after its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from hiradix.conformance.host_judge import HostTier
 from hiradix_model import Key
 from hiradix_model import mamba as model
 from hiradix_model.errors import PreconditionError
 from hiradix_model.mamba import MambaState
-
-HOST_FIELDS = ("host", "host_full_free", "host_state_free", "host_full_kv", "host_state_kv")
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class MambaLoadPlan:
                 and (2 if self.state else 0) <= len(state.state_free))
 
 
-def load_plan(state: MambaState, key: Key) -> MambaLoadPlan:
+def plan_for_key(state: MambaState, key: Key) -> MambaLoadPlan:
     """The load back of ``key``'s match with host hits in ``state``."""
     anchor = model.match_prefix_host(state, key).last_page
     full, restores = ([], False) if anchor is None else model.load_plan(state, anchor)
@@ -99,19 +98,5 @@ def expected_load(before: MambaState, plan: MambaLoadPlan, loaded: int, page: Ke
     return expected, problems
 
 
-def host_tier_problems(engine_state: MambaState, expected: MambaState) -> list[str]:
-    """Where the engine's host tier differs from the model's (13m.8b)."""
-    return [f"{name}: model {getattr(expected, name)}, engine {getattr(engine_state, name)}"
-            for name in HOST_FIELDS if getattr(expected, name) != getattr(engine_state, name)]
-
-
-def two_tier(device_model: MambaState, engine_state: MambaState) -> MambaState:
-    """The model's device tier with the engine's host tier (and host pool sizes)."""
-    return replace(device_model, config=engine_state.config,
-                   **{name: getattr(engine_state, name) for name in HOST_FIELDS})
-
-
-def device_part(state: MambaState, device_model: MambaState) -> MambaState:
-    """``state`` with the host tier (and config) of ``device_model``."""
-    return replace(state, config=device_model.config,
-                   **{name: getattr(device_model, name) for name in HOST_FIELDS})
+HOST_TIER: HostTier[MambaState] = HostTier(
+    ("host", "host_full_free", "host_state_free", "host_full_kv", "host_state_kv"))

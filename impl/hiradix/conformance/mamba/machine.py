@@ -40,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from hiradix.conformance.host_judge import assert_host_match
+from hiradix.conformance.host_judge import assert_host_match, load_starts
 from hiradix.conformance.hybrid.abstraction import Codes
 from hiradix.conformance.hybrid.machine import (
     MAX_REQUEST,
@@ -58,13 +58,7 @@ from hiradix.conformance.mamba.engine import (
     HostMatchingMambaEngine,
     MambaEngine,
 )
-from hiradix.conformance.mamba.load_back import (
-    device_part,
-    expected_load,
-    host_tier_problems,
-    load_plan,
-    two_tier,
-)
+from hiradix.conformance.mamba.load_back import HOST_TIER, expected_load, plan_for_key
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
 from hiradix_model import mamba as model
@@ -342,11 +336,8 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             assert engine_before is not None
             # Host-only pages (a full load), and device pages whose state is on the host
             # only (a load of the state alone).
-            hosted = sorted((k for k, p in engine_before.host.items()
-                             if k not in engine_before.pages
-                             or (p.state is not None
-                                 and engine_before.pages[k].state is None)),
-                            key=lambda k: k.tokens)
+            hosted = load_starts(engine_before, lambda k: engine_before.host[k].state
+                                 is not None and engine_before.pages[k].state is None)
             if not hosted:
                 seen["load_back_nothing_hosted"] += 1
                 return
@@ -354,8 +345,8 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             self.match(key)  # judged on both tiers as any match
             engine_before = self.host_state()
             assert engine_before is not None
-            before = two_tier(self.model, engine_before)
-            plan = load_plan(before, key)
+            before = HOST_TIER.two_tier(self.model, engine_before)
+            plan = plan_for_key(before, key)
             if not plan.fits(before):
                 seen["load_back_pools_short"] += 1
                 return
@@ -364,9 +355,9 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             assert engine_after is not None
             expected, problems = expected_load(before, plan, loaded, page, slot, engine_after)
             problems += state_problems(engine_after, expected)
-            problems += host_tier_problems(engine_after, expected)
+            problems += HOST_TIER.problems(engine_after, expected)
             assert not problems, (f"load_back({key.tokens}):\n  " + "\n  ".join(problems))
-            self.model = device_part(expected, self.model)
+            self.model = HOST_TIER.device_part(expected, self.model)
             seen["load_backs"] += not plan.empty
             seen["load_backs_nothing_to_load"] += plan.empty
             seen["load_back_full_pages"] += len(plan.full)
