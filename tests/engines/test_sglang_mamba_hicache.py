@@ -190,6 +190,46 @@ def test_a_load_back_as_the_scheduler_makes_it_hands_the_request_a_copy(
     assert adapter.match_prefix(K4).page == K4
 
 
+def load_back_evicts_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load back short of full slots asks for one token less than its shortfall
+    (``_load_back_transfers``' ``evict_for_alloc``, unified_radix_cache.py:1904): the pool
+    stays short, and the load is called off while a leaf could have gone."""
+    uni = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache").UnifiedRadixCache
+    transfers, evict = uni._load_back_transfers, uni.evict_for_alloc
+    loading: list[bool] = []
+
+    def load(self: Any, **kwargs: Any) -> Any:
+        loading.append(True)
+        try:
+            return transfers(self, **kwargs)
+        finally:
+            loading.pop()
+
+    def one_short(self: Any, params: Any) -> Any:
+        if loading:
+            params = dataclasses.replace(params, num_tokens=params.num_tokens - 1)
+        return evict(self, params)
+    monkeypatch.setattr(uni, "_load_back_transfers", load)
+    monkeypatch.setattr(uni, "evict_for_alloc", one_short)
+
+
+def test_a_load_back_that_evicts_too_little_fails_the_load_back_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load back short of device slots is judged with the eviction it makes first
+    (``mamba.machine.evicting_load``): one that evicts less than its shortfall, and so
+    calls the load off, is caught; unplanted, the same seeded run passes."""
+    fails_only_when_planted(crowded_host_tier_machine, load_back_evicts_short,
+                            monkeypatch, r"short of \d+ full slots: its eviction took",
+                            examples=150)
+
+
+def crowded_host_tier_machine() -> type[RuleBasedStateMachine]:
+    """``host_tier_machine`` over a device pool of four full slots: most load backs find
+    it short (38 of 150 examples made one, measured)."""
+    return make_mamba_machine(build_hicache("write_through"),
+                              MambaConfig(page_size=1, full_slots=4, state_slots=4))
+
+
 def load_back_skips_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Mamba load-back transfer restores the request's copy but not the node's state
     (its restore left out of the transfers)."""

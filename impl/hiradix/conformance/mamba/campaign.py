@@ -41,7 +41,8 @@ class MambaCampaign(ComponentCampaign):
                   ("alloc_evicting_examples", ("evict_for_alloc_full",
                                                "evict_for_alloc_states")),
                   ("host_checks", ("host_pages_seen", "host_matches", "host_hits",
-                                   "load_backs", "load_backs_state_only")),
+                                   "load_backs", "load_backs_state_only",
+                                   "load_backs_evicting")),
                   ("host_deviation_checks", ("host_deviations_met",)))
 
 

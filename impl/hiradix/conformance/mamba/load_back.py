@@ -12,7 +12,7 @@ also hands the request a copy of it (DEV-M14): the model's ``fork`` after its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hiradix.conformance.host_judge import HostTier
 from hiradix_model import Key
@@ -43,8 +43,16 @@ class MambaLoadPlan:
     def fits(self, state: MambaState) -> bool:
         """Whether the full pool has the slots the load takes and the state pool two (the
         node's and the request's, DEV-M14), free already: the load evicts nothing."""
-        return (state.config.page_size * len(self.full) <= len(state.full_free)
-                and (2 if self.state else 0) <= len(state.state_free))
+        return self.full_short(state) == 0 and self.states_fit(state)
+
+    def states_fit(self, state: MambaState) -> bool:
+        """Whether the state pool has the slots the load takes free already."""
+        return (2 if self.state else 0) <= len(state.state_free)
+
+    def full_short(self, state: MambaState) -> int:
+        """The full tokens the load must evict first (SGLang's ``_load_back_transfers``
+        evicts the shortfall, unified_radix_cache.py:1901-1908)."""
+        return max(0, state.config.page_size * len(self.full) - len(state.full_free))
 
 
 def plan_for_key(state: MambaState, key: Key) -> MambaLoadPlan:
@@ -96,6 +104,28 @@ def expected_load(before: MambaState, plan: MambaLoadPlan, loaded: int, page: Ke
                                    f"state slot {node_slot}, request state slot {slot}: "
                                    f"the model refuses it: {refused}"]
     return expected, problems
+
+
+def evicted_for_load(before: MambaState, plan: MambaLoadPlan,
+                     victims: list[Key]) -> tuple[MambaState, bool]:
+    """``before`` after the eviction a load back short of full slots makes first, of
+    ``victims`` in order, and whether it freed enough for the load to go on.
+
+    The scheduler holds the device match locked with its state (``_lock_node(
+    req.last_node)``, schedule_policy.py:1431) and the load locks the anchor's path
+    (unified_radix_cache.py:1833), whose device part is the same pages: the model's
+    ``inc_lock_ref`` of the device match with its state. The eviction is then the
+    allocator's ``evict_for_alloc`` of the shortfall (13m.3), and the locks go; where it
+    freed too little, SGLang calls the load off (:1905-1908) and nothing is loaded."""
+    need = plan.full_short(before)
+    locked = model.inc_lock_ref(before, plan.device_end, True)
+    evicted, freed = model.evict_for_alloc(locked, need, 0, victims)
+    return model.dec_lock_ref(evicted, plan.device_end, False), freed >= need
+
+
+def called_off(plan: MambaLoadPlan) -> MambaLoadPlan:
+    """``plan`` with nothing to load: what a load called off for want of room did."""
+    return replace(plan, full=(), state=False)
 
 
 HOST_TIER: HostTier[MambaState] = HostTier(

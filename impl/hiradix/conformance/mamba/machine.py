@@ -58,7 +58,14 @@ from hiradix.conformance.mamba.engine import (
     HostMatchingMambaEngine,
     MambaEngine,
 )
-from hiradix.conformance.mamba.load_back import HOST_TIER, expected_load, plan_for_key
+from hiradix.conformance.mamba.load_back import (
+    HOST_TIER,
+    MambaLoadPlan,
+    called_off,
+    evicted_for_load,
+    expected_load,
+    plan_for_key,
+)
 from hiradix.conformance.victims import NoOrder, accepted_order, diff, victim_chains
 from hiradix_model import Key
 from hiradix_model import mamba as model
@@ -141,6 +148,33 @@ def same_pages(state: MambaState, other: MambaState) -> bool:
     """The same cached pages, each with or without a state alike."""
     return ({k: p.state is None for k, p in state.pages.items()}
             == {k: p.state is None for k, p in other.pages.items()})
+
+
+def evicting_load(before: MambaState, plan: MambaLoadPlan, after: MambaState
+                  ) -> tuple[MambaState, MambaLoadPlan, list[Key]]:
+    """The state a load back short of full slots loaded into, what it loaded, and the
+    victims: ``before`` after the eviction it made first (``load_back.evicted_for_load``),
+    the victims read off the engine's state ``after`` the load (the pages it left without
+    their state or deleted, the loaded ones aside); the plan called off where that
+    eviction freed too little. ``AssertionError`` where no order of the victims is one
+    the model accepts."""
+    loads = {*plan.full, *((plan.anchor,) if plan.state else ())}
+
+    def evicted(victims: list[Key]) -> tuple[MambaState, int]:
+        return evicted_for_load(before, plan, victims)
+
+    def same_but_the_load(state: MambaState) -> bool:
+        return ({k: p.state is None for k, p in state.pages.items() if k not in loads}
+                == {k: p.state is None for k, p in after.pages.items() if k not in loads})
+
+    chains = victim_chains(taken_pages(before, after), before.config.page_size)
+    try:
+        state, enough, victims = accepted_order(chains, evicted, same_but_the_load)
+    except NoOrder as refused:
+        raise AssertionError(f"load back to {plan.anchor}, short of "
+                             f"{plan.full_short(before)} full slots: its eviction "
+                             f"{refused}") from None
+    return state, (plan if enough else called_off(plan)), victims
 
 
 def make_mamba_machine(build: Build, config: MambaConfig,
@@ -329,8 +363,12 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             server does; the engine's state
             after it must be 13m.8b's ``load_back`` of what the match reached (and, where
             it restored a state, the request's copy of it, DEV-M14), into the slots the
-            engine chose. The request then ends, returning its copy. A load that would
-            need an eviction first is not made."""
+            engine chose. The request then ends, returning its copy. A load short of
+            full slots evicts first, as the server's does (``evicted_for_load``). Not
+            made: one short of state slots (SGLang's load evicts states in three places,
+            which the machine does not yet tell apart), and one short of full slots
+            while a device page has no host copy (write-back backs victims up as it
+            evicts them, which 13m.3's device-tier eviction does not express)."""
             assert self.loader is not None
             engine_before = self.host_state()
             assert engine_before is not None
@@ -347,12 +385,17 @@ def make_mamba_machine(build: Build, config: MambaConfig,
             assert engine_before is not None
             before = HOST_TIER.two_tier(self.model, engine_before)
             plan = plan_for_key(before, key)
-            if not plan.fits(before):
-                seen["load_back_pools_short"] += 1
+            if not plan.states_fit(before):
+                seen["load_back_states_short"] += 1
+                return
+            if plan.full_short(before) and not before.pages.keys() <= before.host.keys():
+                seen["load_back_short_unbacked"] += 1
                 return
             loaded, page, slot = self.loader.load_back()
             engine_after = self.host_state()
             assert engine_after is not None
+            if plan.full_short(before):
+                before, plan = self.evicted_for_load(before, plan, engine_after)
             expected, problems = expected_load(before, plan, loaded, page, slot, engine_after)
             problems += state_problems(engine_after, expected)
             problems += HOST_TIER.problems(engine_after, expected)
@@ -368,6 +411,15 @@ def make_mamba_machine(build: Build, config: MambaConfig,
                 self.engine.free_state(slot)
                 self.model = model.free_state(self.model, slot)
                 self.check(f"free_state({slot})")
+
+        def evicted_for_load(self, before: MambaState, plan: MambaLoadPlan,
+                             after: MambaState) -> tuple[MambaState, MambaLoadPlan]:
+            """``evicting_load``, counted."""
+            state, plan_made, victims = evicting_load(before, plan, after)
+            seen["load_backs_evicting"] += 1
+            seen["load_back_victims"] += len(victims)
+            seen["load_backs_called_off"] += plan_made != plan
+            return state, plan_made
 
         @rule(ids=tokens, keep=st.booleans(), early=st.booleans())
         def serve(self, ids: tuple[int, ...], keep: bool, early: bool) -> None:
