@@ -121,6 +121,11 @@ def workloads(seed: int, scale: float) -> list[Workload]:
             Workload("few-shot", fewshot), Workload("long documents", long_docs)]
 
 
+def nothing() -> None:
+    """An empty call: timed where each engine times its key (the ``floor``), it is what
+    any row's timer costs by itself at that point of a request, cold caches included."""
+
+
 @dataclass
 class Timings:
     samples: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -180,6 +185,7 @@ class Ours:
 
     def serve(self, tokens: array[int]) -> None:
         c, t, n = self.cache, self.t, len(tokens)
+        t.timed("floor", nothing)
         key = t.timed("key", lambda: RadixKey(tokens))
         got = t.timed("match", lambda: c.match_prefix(key))
         t.total("match_prefix", "key", "match")
@@ -266,6 +272,7 @@ class Sglang:
     def serve(self, tokens: array[int]) -> None:
         c, m, t, alloc = self.adapter.cache, self.m, self.t, self.adapter.allocator
         n, radix_key = len(tokens), self.key
+        t.timed("floor", nothing)
         params = t.timed("key", lambda: m.MatchPrefixParams(key=radix_key(tokens)))
         got = t.timed("match", lambda: c.match_prefix(params))
         t.total("match_prefix", "key", "match")
@@ -359,6 +366,7 @@ class Unified:
     def serve(self, tokens: array[int]) -> None:
         c, m, t, alloc = self.cache, self.m, self.t, self.alloc
         n, radix_key = len(tokens), self.key
+        t.timed("floor", nothing)
         params = t.timed("key", lambda: m.MatchPrefixParams(key=radix_key(tokens)))
         got, device = t.timed("match", lambda: self._match(params))
         t.total("match_prefix", "key", "match")
@@ -497,7 +505,7 @@ def peers_as_shipped() -> Iterator[None]:
 
 
 def run(page_size: int, scale: float, seed: int, rows: list[list[str]],
-        memory: list[list[str]]) -> None:
+        memory: list[list[str]], floors: list[str]) -> None:
     """Time every operation of the stream on each engine (``rows``) and measure each
     tree's metadata per cached token (``memory``: a figure of another kind, whose ratio
     reads the other way, so kept out of the timing table)."""
@@ -524,6 +532,8 @@ def run(page_size: int, scale: float, seed: int, rows: list[list[str]],
             rows.append([str(page_size), op, other.name, *_per_call(ours.t, op),
                          *_per_call(other.t, op), _ratio(ours.t.mean(op), other.t.mean(op)),
                          _ratio(ours.t.median(op), other.t.median(op))])
+    floors.append(f"P{page_size} " + ", ".join(
+        f"{e.name} {(e.t.median('floor') or 0) * 1e6:.2f}" for e in engines))
     for other in others:
         other.close()
     # Metadata: a fresh tree of each kind over the shared-prompt workload, no eviction.
@@ -645,8 +655,9 @@ def main(args: argparse.Namespace) -> int:
     if not args.large_only:
         rows: list[list[str]] = []
         memory: list[list[str]] = []
+        floors: list[str] = []
         for page_size in args.page_sizes:
-            run(page_size, args.scale, args.seed, rows, memory)
+            run(page_size, args.scale, args.seed, rows, memory, floors)
         print("\n".join(table(rows)))
         print(f"(seed {args.seed}, scale {args.scale}, page sizes {args.page_sizes}, "
               f"{torch.get_num_threads()} torch threads, our core {bookkeeping_core()}, "
@@ -654,6 +665,8 @@ def main(args: argparse.Namespace) -> int:
               "speed-up = their time / ours, above 1 means ours is faster; compare medians, "
               "means move with scheduler stalls; every engine in the same layout: "
               f"{KV_LAYOUT.upper()} device pools, {HOST_LAYOUT} host pools)")
+        print("(the timer's own cost, an empty call timed where each engine times its key, "
+              f"median µs: {'; '.join(floors)}; every row includes it)")
         print("\nTree metadata per cached token (a fresh tree over the shared-prompt "
               "workload: the Python heap it grew by, plus its slot tensors; not the KV):")
         print("\n".join(table(memory, MEMORY_HEAD)))
