@@ -244,8 +244,10 @@ class SwaPoolPair:
         """SGLang's free full slots."""
         return _free_slots(self.allocator.full_attn_allocator)
 
-    def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
-        """``num_tokens`` fresh pairs' full slots (model ids), or None."""
+    def alloc(self, num_tokens: int, freed_by_tree: set[int]) -> tuple[int, ...] | None:
+        """``num_tokens`` fresh pairs' full slots (model ids), or None. A slot handed out
+        again leaves ``freed_by_tree`` (the duplicates an insert freed, DEV-24; SGLang
+        ids): ``free`` would skip it as freed already, and leak it."""
         if num_tokens % self.ps:
             raise ValueError(f"{NAME}: alloc({num_tokens}) is not whole pages of {self.ps}")
         if num_tokens == 0:
@@ -262,6 +264,7 @@ class SwaPoolPair:
             return None
         slots = tuple(int(s) for s in got.tolist())
         self.held.update(dict.fromkeys(slots, True))
+        freed_by_tree.difference_update(slots)
         return self.to_model(slots)
 
     def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
@@ -594,7 +597,7 @@ class SglangSwaAdapter:
 
     def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
         self._tick()
-        return self.pools.alloc(num_tokens)
+        return self.pools.alloc(num_tokens, self.freed_by_tree)
 
     def write_kv(self, full_slots: Sequence[int], codes: Sequence[int]) -> None:
         self.pools.write_kv(full_slots, codes)

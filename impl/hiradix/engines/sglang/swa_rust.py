@@ -246,7 +246,7 @@ class SglangSwaRustAdapter:
     # -- the operations, on both cores ------------------------------------------------------
 
     def alloc(self, num_tokens: int) -> tuple[int, ...] | None:
-        answer = self.pools.alloc(num_tokens)
+        answer = self.pools.alloc(num_tokens, self.freed_by_tree)
         self.agree(f"alloc({num_tokens})", answer, self.reference.alloc(num_tokens))
         return answer
 
