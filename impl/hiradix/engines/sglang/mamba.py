@@ -140,6 +140,26 @@ def _require_code(code: int, what: str) -> None:
         raise ValueError(f"{NAME}: {what} must be an int in [0, 2**24), got {code!r}")
 
 
+def state_rows(m: Mapping[str, Any], config: MambaConfig) -> Any:
+    """The ``HybridReqToTokenPool`` the server builds for a Mamba model
+    (``_build_hybrid_req_pool``), which owns the ``MambaPool`` of ``config.state_slots``
+    states of the smallest Mamba2 shape (one head, one channel, a conv window of one);
+    with the Mamba extra buffer above page size 1, which ``MambaComponent`` asserts
+    without it. ``m``: the adapter's SGLang modules (``_sglang``)."""
+    mamba_utils = m["mamba_utils"]
+    shape = mamba_utils.Mamba2StateShape.create(
+        tp_world_size=1, intermediate_size=1, n_groups=1, num_heads=1, head_dim=1,
+        state_size=1, conv_kernel=2)
+    params = mamba_utils.Mamba2CacheParams(
+        shape=shape, layers=MAMBA_LAYERS,
+        dtype=mamba_utils.Mamba2StateDType(conv=DTYPE, temporal=DTYPE))
+    return m["pool"].HybridReqToTokenPool(
+        size=REQ_ROWS, mamba_size=config.state_slots, mamba_spec_state_size=REQ_ROWS,
+        max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False,
+        cache_params=params, mamba_layer_ids=MAMBA_LAYERS,
+        enable_mamba_extra_buffer=config.page_size > 1, enable_overlap_schedule=False)
+
+
 class SglangMambaAdapter:
     """One (FULL, MAMBA) ``UnifiedRadixCache``, device tier, Python tree core.
 
@@ -161,12 +181,7 @@ class SglangMambaAdapter:
         self.full_ct, self.mamba_ct = types.FULL, types.MAMBA
         self.req_kv = self.m["batch"].ReqKvInfo
         extra_buffer = ps > 1  # MambaComponent asserts page size 1 without it
-        self.rows = self.m["pool"].HybridReqToTokenPool(
-            size=REQ_ROWS, mamba_size=config.state_slots, mamba_spec_state_size=REQ_ROWS,
-            max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False,
-            cache_params=self._state_params(self.m["mamba_utils"]),
-            mamba_layer_ids=MAMBA_LAYERS, enable_mamba_extra_buffer=extra_buffer,
-            enable_overlap_schedule=False)
+        self.rows = state_rows(self.m, config)
         self.states = self.rows.mamba_pool
         self.kv = self.m["pool"].HybridLinearKVPool(
             size=config.full_slots, dtype=DTYPE, page_size=ps, head_num=1, head_dim=1,
@@ -195,15 +210,6 @@ class SglangMambaAdapter:
         self.held_full: set[int] = set()
         self.held_states: set[int] = set()
         self._locks: list[Any] = []  # TreeLocks handed out and not yet unlocked
-
-    def _state_params(self, mamba_utils: Any) -> Any:
-        """The smallest Mamba2 state: one head, one channel, a conv window of one."""
-        shape = mamba_utils.Mamba2StateShape.create(
-            tp_world_size=1, intermediate_size=1, n_groups=1, num_heads=1, head_dim=1,
-            state_size=1, conv_kernel=2)
-        return mamba_utils.Mamba2CacheParams(
-            shape=shape, layers=MAMBA_LAYERS,
-            dtype=mamba_utils.Mamba2StateDType(conv=DTYPE, temporal=DTYPE))
 
     def _publish_args(self) -> None:
         """``MambaComponent`` reads the server's Mamba settings (cache chunk, the
