@@ -11,10 +11,11 @@ import pytest
 from mamba_mutants import PATH, deep
 from test_mamba_host import demoted
 
-from hiradix.conformance.mamba.load_back import expected_load, plan_for_key
+from hiradix.conformance.mamba.load_back import evicted_for_load, expected_load, plan_for_key
 from hiradix.conformance.mamba.machine import evicting_load
 from hiradix_model import Key
 from hiradix_model import mamba as M
+from hiradix_model.errors import IllegalChoice
 
 
 def loaded(s: M.MambaState) -> M.MambaState:
@@ -125,3 +126,21 @@ def test_a_load_whose_eviction_cannot_free_enough_is_called_off() -> None:
     assert expected_load(state, made, 0, None, None, locked) == (locked, [])
     _, problems = expected_load(state, made, 8, PATH, 2, locked)
     assert len(problems) == 1 and "nothing to load back" in problems[0]
+
+
+def test_the_anchors_device_path_is_locked_past_the_device_match() -> None:
+    """PATH loaded back, then its last page evicted: deep(2..6) stay on the device
+    without a state there, so no match ends on them, but they lie on PATH's path. The
+    load locks that path (unified_radix_cache.py:1833), so its eviction may take the
+    other key's leaf and not deep(6), a full leaf the device match's lock (none here)
+    leaves open."""
+    s, _ = M.evict_full(M.load_back(demoted(), PATH, tuple(range(8)), 1), 2, [PATH])
+    other = Key((9,) * 10)
+    s = M.alloc_state(M.alloc(s, other, 0, tuple(range(6, 16))), 0, other)
+    s, _, _ = M.insert(s, other, tuple(range(6, 16)), 0)
+    plan = plan_for_key(s, PATH)
+    assert (plan.device_end, plan.full, plan.full_short(s)) == (None, (PATH,), 2)
+    with pytest.raises(IllegalChoice, match="may not be taken now"):
+        evicted_for_load(s, plan, [deep(6)])
+    state, enough = evicted_for_load(s, plan, [other])
+    assert enough and deep(6) in state.pages and state.pages[deep(6)].lock == 0

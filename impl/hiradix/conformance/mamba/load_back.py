@@ -18,6 +18,7 @@ from hiradix.conformance.host_judge import HostTier
 from hiradix_model import Key
 from hiradix_model import mamba as model
 from hiradix_model.errors import PreconditionError
+from hiradix_model.keys import page_keys
 from hiradix_model.mamba import MambaState
 
 
@@ -111,16 +112,30 @@ def evicted_for_load(before: MambaState, plan: MambaLoadPlan,
     """``before`` after the eviction a load back short of full slots makes first, of
     ``victims`` in order, and whether it freed enough for the load to go on.
 
-    The scheduler holds the device match locked with its state (``_lock_node(
-    req.last_node)``, schedule_policy.py:1431) and the load locks the anchor's path
-    (unified_radix_cache.py:1833), whose device part is the same pages: the model's
-    ``inc_lock_ref`` of the device match with its state. The eviction is then the
-    allocator's ``evict_for_alloc`` of the shortfall (13m.3), and the locks go; where it
-    freed too little, SGLang calls the load off (:1905-1908) and nothing is loaded."""
+    What is locked meanwhile: the device match with its state (the scheduler's
+    ``_lock_node(req.last_node)``, schedule_policy.py:1431), and the anchor's path (the
+    scheduler's lock of the best match, :1475, and the load's own,
+    unified_radix_cache.py:1833), whose device part ends at ``path_end``: the deepest
+    device page on it, which may lie past the device match (pages without a state do
+    not end a match). Its Mamba lock sits on the anchor, which holds no device state. In
+    the model: ``inc_lock_ref`` of the device match with its state and of ``path_end``
+    without. The eviction is then the allocator's ``evict_for_alloc`` of the shortfall
+    (13m.3), and the locks go; where it freed too little, SGLang calls the load off
+    (:1905-1908) and nothing is loaded."""
     need = plan.full_short(before)
-    locked = model.inc_lock_ref(before, plan.device_end, True)
+    end = path_end(before, plan)
+    locked = model.inc_lock_ref(model.inc_lock_ref(before, plan.device_end, True), end, False)
     evicted, freed = model.evict_for_alloc(locked, need, 0, victims)
-    return model.dec_lock_ref(evicted, plan.device_end, False), freed >= need
+    unlocked = model.dec_lock_ref(model.dec_lock_ref(evicted, end, True), plan.device_end,
+                                  False)
+    return unlocked, freed >= need
+
+
+def path_end(state: MambaState, plan: MambaLoadPlan) -> Key | None:
+    """The deepest page on the anchor's path that is on the device (None: none is)."""
+    assert plan.anchor is not None  # a load short of slots has pages to load
+    on_device = [k for k in page_keys(plan.anchor, state.config.page_size) if k in state.pages]
+    return on_device[-1] if on_device else None
 
 
 def called_off(plan: MambaLoadPlan) -> MambaLoadPlan:

@@ -252,7 +252,7 @@ def load_back_as_scheduled(env: UnifiedEnv, cache: Any, match: Any, req: Any,
     for a request ``req`` that carries it (``match_prefix_and_adopt``'s fields):
     ``add_one_req`` holds the device match locked (``_lock_node(req.last_node)``,
     schedule_policy.py:1430) and the best match locked on both tiers
-    (``_lock_node(best_match_node, lock_host=True)``, :1464) around ``init_load_back``
+    (``_lock_node(best_match_node, lock_host=True)``, :1475) around ``init_load_back``
     (:1517), then the batch issues the loads (``ready_to_load_host_cache``); a later
     step acknowledges them. Returns ``init_load_back``'s answer: the full tokens loaded
     and the node the request's prefix now ends at."""
