@@ -64,8 +64,12 @@ def test_the_main_table_times_the_c_loops_against_the_torch_ops(
     monkeypatch.setattr(bench, "competitors", lambda page_size: [])
     rows: list[list[str]] = []
     memory: list[list[str]] = []
-    bench.run(16, 0.02, 0, rows, memory)
+    floors: list[str] = []
+    bench.run(16, 0.02, 0, rows, memory, floors)
     assert memory == []  # one row per SGLang engine, and none is installed
+    # The timer's own cost, one figure per engine that served the stream.
+    assert len(floors) == 1 and floors[0].startswith("P16 ours "), floors
+    assert "ours-python-core " in floors[0], floors
     assert {r[2] for r in rows} == {"ours-python-core"}
     assert [r[1] for r in rows] == list(bench.OPS)
     # Every operation that ran (a run this small never overflows the device) was timed on
