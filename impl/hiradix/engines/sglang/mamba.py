@@ -453,9 +453,13 @@ class SglangMambaAdapter:
                                                    skipped_lock_components=others))
         lock.receipt.skipped_lock_components += (self.mamba_ct,)
 
+    def _holds_state(self, lock: Any) -> bool:
+        """Whether ``lock`` still holds its Mamba part."""
+        return self.mamba_ct not in lock.receipt.skipped_lock_components
+
     def unlock(self, receipt: object, state_released: bool) -> None:
         lock = self._receipt(receipt)
-        holds_state = self.mamba_ct not in lock.receipt.skipped_lock_components
+        holds_state = self._holds_state(lock)
         if state_released is holds_state or not isinstance(state_released, bool):
             raise ValueError(f"{NAME}: state_released={state_released!r}, but the receipt "
                              f"{'holds' if holds_state else 'holds no'} state lock")

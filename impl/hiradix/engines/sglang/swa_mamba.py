@@ -248,19 +248,11 @@ class SglangSwaMambaAdapter(SglangMambaAdapter):
                              "state lock with it)")
         super().release_state(receipt)
 
-    def unlock(self, receipt: object, state_released: bool) -> None:
-        """``UnifiedRadixCache.unlock``: what the receipt still holds. ``state_released``
-        says the caller's view: its state lock is gone, by ``release_state`` or with
-        ``release_swa`` (which drops it too); it must agree with the receipt."""
-        lock = self._receipt(receipt)
-        holds_state = not lock.swa_released \
-            and self.mamba_ct not in lock.receipt.skipped_lock_components
-        if not isinstance(state_released, bool) or state_released is holds_state:
-            raise ValueError(f"{NAME}: state_released={state_released!r}, but the receipt "
-                             f"{'holds' if holds_state else 'holds no'} state lock")
-        self._tick()
-        self.cache.unlock(lock)
-        self._locks = [held for held in self._locks if held is not lock]
+    def _holds_state(self, lock: Any) -> bool:
+        """Whether ``lock`` still holds its Mamba part: gone with ``release_state`` or
+        with ``release_swa`` (which drops it too). ``unlock`` checks the caller's
+        ``state_released`` against it."""
+        return not lock.swa_released and super()._holds_state(lock)
 
     def evict_swa(self, num_tokens: int) -> int:
         """SWA eviction: tombstones internal nodes (their states cascade), deletes
