@@ -220,6 +220,10 @@ def _swa_request(state: SwaState, key: Key, past: int, keep: int) -> SwaState:
         state = hybrid.inc_lock_ref(state, page)
         if keep == 2:
             state = hybrid.dec_swa_lock(state, page)
+        if keep == 3:  # a load back's lock of its anchor's device path (13.3 inc_path_lock)
+            cached = [k for k in page_keys(key, ps) if k in state.pages]
+            state = hybrid.dec_lock_ref(state, page, False)
+            state = hybrid.inc_path_lock(state, cached[-1] if cached else None)
     return state
 
 
@@ -234,7 +238,7 @@ def make_swa_state(factory: SymbolicFactory) -> SwaState:
         if index >= requests:
             break
         past = _choice(factory, (0, 1, 2), f"_past{index}")
-        keep = _choice(factory, (0, 1, 2), f"_keep{index}")
+        keep = _choice(factory, (0, 1, 2, 3), f"_keep{index}")
         state = _swa_request(state, make_key(factory), past, keep)
         candidates = sorted(swa_candidates(state), key=lambda k: (-len(k.tokens), k.tokens))
         if candidates and _choice(factory, (False, True), f"_evict{index}"):

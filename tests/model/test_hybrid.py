@@ -106,6 +106,31 @@ def test_early_swa_release_then_full_release() -> None:
     assert all(p.lock == 0 for p in s.pages.values()) and s.released == {}
 
 
+def test_a_path_lock_holds_the_path_and_not_the_window() -> None:
+    """13.3 inc_path_lock: a lock whose SWA part is released from the start, so it may sit
+    on a page whose window holds tombstones (inc_lock_ref refuses that); the full walk
+    cannot delete its path, the SWA walk may still tombstone its window; only
+    dec_lock_ref(swa_released=True) releases it."""
+    s = H.dec_lock_ref(healthy(), PATH, False)
+    with pytest.raises(PreconditionError, match="tombstone in its window"):
+        H.inc_lock_ref(s, deep(10))
+    locked = H.inc_path_lock(s, deep(10))
+    assert H.violations(locked) == [] and locked.released == {deep(10): 1}
+    assert [locked.pages[deep(n)].lock for n in (1, 10, 11)] == [1, 1, 0]
+    assert all(p.swa_lock == 0 for p in locked.pages.values())
+    leaves_first = [deep(12), deep(11), deep(10)]
+    assert H.evict_full(s, 3, leaves_first)[1] == 3
+    with pytest.raises(IllegalChoice, match="may not be taken"):
+        H.evict_full(locked, 3, leaves_first)
+    tombstoned, freed = H.evict_swa(locked, 1, [deep(10)])
+    assert freed == 1 and not tombstoned.pages[deep(10)].live
+    with pytest.raises(PreconditionError, match="still holds its window"):
+        H.dec_lock_ref(locked, deep(10), False)
+    assert H.dec_lock_ref(locked, deep(10), True) == s
+    with pytest.raises(PreconditionError):
+        H.inc_path_lock(s, Key((9, 9)))
+
+
 def test_a_lock_releases_its_window_once_even_beside_another() -> None:
     """Two locks at one page: releasing one's window early twice would take the other's
     window count (13.3); the second release is refused, and so is releasing the lock

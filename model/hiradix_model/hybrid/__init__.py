@@ -29,7 +29,7 @@ from hiradix_model.hybrid.invariants import (
     match_problems,
     violations,
 )
-from hiradix_model.hybrid.locks import dec_lock_ref, dec_swa_lock, inc_lock_ref
+from hiradix_model.hybrid.locks import dec_lock_ref, dec_swa_lock, inc_lock_ref, inc_path_lock
 from hiradix_model.hybrid.match import SwaMatch, match_prefix
 from hiradix_model.hybrid.pool import alloc, free, free_swa
 from hiradix_model.hybrid.state import (
@@ -68,6 +68,7 @@ __all__ = [
     "host_leaves",
     "host_match_problems",
     "inc_lock_ref",
+    "inc_path_lock",
     "initial",
     "insert",
     "load_back",

@@ -1,4 +1,4 @@
-"""inc_lock_ref, dec_swa_lock and dec_lock_ref (spec/13, 13.3)."""
+"""inc_lock_ref, inc_path_lock, dec_swa_lock and dec_lock_ref (spec/13, 13.3)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,21 @@ def inc_lock_ref(state: SwaState, page: Key | None) -> SwaState:
         return state
     require(window_live(state, page), "page", "has a tombstone in its window")
     return _shift(state, page, 1, 1, 0)
+
+
+def inc_path_lock(state: SwaState, page: Key | None) -> SwaState:
+    """Lock ``page``'s path (full) only: a lock taken at ``page`` whose SWA part is
+    released from the start, so its window need not be live; None: the root, a no-op.
+    Released by ``dec_lock_ref(page, swa_released=True)``.
+
+    pre: not check(state)
+    post: not check(__return__)
+    raises: PreconditionError
+    """
+    _require_page(state, page)
+    if page is None:
+        return state
+    return _shift(state, page, 1, 0, 1)
 
 
 def dec_swa_lock(state: SwaState, page: Key | None) -> SwaState:
