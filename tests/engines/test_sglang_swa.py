@@ -524,6 +524,70 @@ def test_a_planted_load_back_bug_fails_the_load_back_check(
                             "are not on the device after it")
 
 
+def load_back_evicts_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load back short of full slots asks its eviction for every cached token instead
+    of its shortfall (``needed = kv_tokens - avail``, unified_radix_cache.py:1902, read
+    as the whole pool): every state after it is one the invariants allow -- only the
+    load's transition shows it."""
+    unified = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
+    base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
+    cache_class = unified.UnifiedRadixCache
+    transfers, evict = cache_class._load_back_transfers, cache_class.evict_for_alloc
+    loading: list[bool] = []
+
+    def planted_transfers(self: Any, **kwargs: Any) -> Any:
+        loading.append(True)
+        try:
+            return transfers(self, **kwargs)
+        finally:
+            loading.pop()
+
+    def planted_evict(self: Any, params: Any, **kwargs: Any) -> Any:
+        if loading and params.num_tokens:
+            params = base.EvictParams(num_tokens=params.num_tokens + 1_000)
+        return evict(self, params, **kwargs)
+
+    monkeypatch.setattr(cache_class, "_load_back_transfers", planted_transfers)
+    monkeypatch.setattr(cache_class, "evict_for_alloc", planted_evict)
+
+
+def evicting_load_back() -> Counter[str]:
+    """A scripted run of the machine over SGLang's SWA cache with write-through HiCache:
+    a 12-token key cached, backed up and evicted; two 4-token keys cached beside, 8 full
+    slots left; the key loaded back: 4 full slots short, so the load evicts first
+    (spec/13 13.8, ``evicting_load``), judged as every step. Host pools twice the device
+    pools (the server's default ``hicache_ratio``, arg_groups/hicache_hook.py:119-122), so
+    the host keeps the whole key.
+    What the run reached."""
+    reached: Counter[str] = Counter()
+    machine = make_swa_machine(build_hicache("write_through", 2.0),
+                               SwaConfig(page_size=1, full_slots=16, swa_slots=16, window=4),
+                               reached)()
+    machine.run_request(KEY.tokens, 0, False)
+    machine.evict("full", 12)
+    for token in (20, 21):
+        machine.run_request((token,) * 4, 0, False)
+    machine.load_back_of(KEY)
+    machine.teardown()
+    return reached
+
+
+def test_a_load_back_short_of_full_slots_evicts_its_shortfall_first() -> None:
+    reached = evicting_load_back()
+    assert (reached["load_backs"], reached["load_backs_evicting"]) == (1, 1)
+    assert (reached["load_back_victims"], reached["load_backs_called_off"]) == (4, 0)
+
+
+def test_a_planted_over_eviction_in_a_load_back_fails_the_load_back_check(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load back that must evict first can fail: one whose eviction takes more than
+    its shortfall is caught by the transition check, where every state after it is one
+    the invariants allow."""
+    load_back_evicts_everything(monkeypatch)
+    with pytest.raises(AssertionError, match=r"short of 4 full slots .* its eviction took"):
+        evicting_load_back()
+
+
 # -- evict_for_alloc: the eviction the server's allocator makes (spec/13 13.3) ---------------
 
 def test_an_allocations_eviction_stops_each_pool_at_its_target() -> None:

@@ -1,14 +1,25 @@
 """The load-back judge of the hybrid machine (``conformance/hybrid/load_back.py``, spec/13
 13.8a ``load_back``, DEV-H12): a load the model makes passes; each way an engine's load
-can be wrong fails, named."""
+can be wrong fails, named. A load short of free slots is judged with the evictions it
+makes first (``machine.evicting_load``)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from hiradix.conformance.hybrid.load_back import dev_h12_pages, expected_load, plan_for_key
+import pytest
+
+from hiradix.conformance.hybrid.load_back import (
+    dev_h12_pages,
+    evicted_for_load,
+    expected_load,
+    plan_for_key,
+    window_held_past_match,
+)
+from hiradix.conformance.hybrid.machine import evicting_load
 from hiradix_model import Key
 from hiradix_model import hybrid as H
+from hiradix_model.errors import IllegalChoice
 
 PATH = Key(tuple(range(1, 13)))
 CONFIG = H.SwaConfig(page_size=1, full_slots=16, swa_slots=16, window=4,
@@ -19,10 +30,10 @@ def deep(n: int) -> Key:
     return Key(PATH.tokens[:n])
 
 
-def hosted() -> H.SwaState:
+def hosted(config: H.SwaConfig = CONFIG) -> H.SwaState:
     """PATH cached live on every page, backed up root first (so every page has both host
     copies), then evicted from the device: the whole path host-only."""
-    s = H.alloc(H.initial(CONFIG), PATH, 0, tuple(range(12)), tuple(range(12)))
+    s = H.alloc(H.initial(config), PATH, 0, tuple(range(12)), tuple(range(12)))
     s, _ = H.insert(s, PATH, tuple(range(12)), 0)
     for n in range(1, 13):
         targets = H.swa_backup_targets(s, deep(n))
@@ -115,3 +126,118 @@ def test_with_nothing_to_load_nothing_may_change() -> None:
     assert expected_load(before, plan, 0, PATH, before) == (before, [])
     _, problems = expected_load(before, plan, 4, PATH, before)
     assert len(problems) == 1 and "nothing to load back" in problems[0]
+
+
+# ---- a load back short of free slots evicts first (the server's _load_back_transfers) ----
+
+OTHER, SIDE = Key((20,) * 5), Key((21,) * 5)  # paths of their own, one-token pages
+
+
+def other(n: int) -> Key:
+    return Key(OTHER.tokens[:n])
+
+
+def side(n: int) -> Key:
+    return Key(SIDE.tokens[:n])
+
+
+def crowded(config: H.SwaConfig = CONFIG, pages: int = 4) -> H.SwaState:
+    """``hosted(config)`` with ``pages`` pages each of OTHER and SIDE cached live on the
+    device, in the lowest free slots of both pools."""
+    s = hosted(config)
+    for key in (other(pages), side(pages)):
+        full, swa = tuple(sorted(s.full_free)[:pages]), tuple(sorted(s.swa_free)[:pages])
+        s, _ = H.insert(H.alloc(s, key, 0, full, swa), key, full, 0)
+    return s
+
+
+def evicted_then_loaded(s: H.SwaState, victims: list[Key], need: int) -> H.SwaState:
+    """The model's eviction of ``victims`` (for ``need`` slots of either pool, both
+    freed alike here), then PATH loaded into the lowest free slots: full KV for its 12
+    pages, SWA KV for its window's 4."""
+    s, _ = H.evict_full(s, need, victims)
+    return H.load_back(s, PATH, tuple(sorted(s.full_free)[:12]),
+                       tuple(sorted(s.swa_free)[:4]))
+
+
+def test_a_load_short_of_full_slots_evicts_the_shortfall_first() -> None:
+    before = crowded()
+    plan = plan_for_key(before, PATH)
+    assert plan.full_short(before) == 4 and not plan.fits(before)
+    victims = [side(n) for n in (4, 3, 2, 1)]
+    after = evicted_then_loaded(before, victims, 4)
+    state, made, taken = evicting_load(before, plan, after, True, False)
+    assert made == plan and taken == victims
+    assert expected_load(state, made, 12, PATH, after) == (after, [])
+
+
+def test_a_load_that_evicts_more_than_its_shortfall_fails() -> None:
+    """SIDE and OTHER both went, 8 slots: either alone freed the 4 the load needed, and
+    no page of the one is the rest of the other's node (the model knows no nodes, so one
+    page more on another path would pass: it could be a node's rest)."""
+    before = crowded()
+    after = evicted_then_loaded(before, [side(n) for n in (4, 3, 2, 1)]
+                                + [other(n) for n in (4, 3, 2, 1)], 8)
+    with pytest.raises(AssertionError, match=r"short of 4 full slots .* its eviction took"):
+        evicting_load(before, plan_for_key(before, PATH), after, True, False)
+
+
+def test_a_load_short_of_swa_slots_evicts_the_swa_shortfall_after_allocating() -> None:
+    """24 full slots and 12 SWA slots: after 5 pages each of OTHER and SIDE, the full
+    pool has room and the SWA pool 2 slots for the window's 4; the SWA transfer's
+    allocation evicts 2 SWA slots (hybrid_cache_controller.py:1884-1887). Taking both
+    paths whole fails."""
+    before = crowded(replace(CONFIG, full_slots=24, swa_slots=12), pages=5)
+    plan = plan_for_key(before, PATH)
+    assert plan.full_short(before) == 0 and len(before.swa_free) == 2
+    after = evicted_then_loaded(before, [side(5), side(4)], 2)
+    state, made, taken = evicting_load(before, plan, after, True, False)
+    assert made == plan and taken == [side(5), side(4)]
+    assert expected_load(state, made, 12, PATH, after) == (after, [])
+    greedy = evicted_then_loaded(before, [side(n) for n in range(5, 0, -1)]
+                                 + [other(n) for n in range(5, 0, -1)], 10)
+    with pytest.raises(AssertionError, match="its eviction took"):
+        evicting_load(before, plan, greedy, True, False)
+
+
+def test_a_load_whose_eviction_cannot_free_enough_is_called_off() -> None:
+    locked = H.inc_lock_ref(H.inc_lock_ref(crowded(), other(4)), side(4))  # running requests
+    plan = plan_for_key(locked, PATH)
+    state, made, taken = evicting_load(locked, plan, locked, False, False)
+    assert (state, taken, made.empty) == (locked, [], True)
+    assert expected_load(state, made, 0, None, locked) == (locked, [])
+    with pytest.raises(AssertionError, match="the engine made the load"):
+        evicting_load(locked, plan, locked, True, False)
+
+
+def partly_loaded() -> H.SwaState:
+    """PATH's first 10 pages loaded back (7..10 live), then page 9's SWA KV evicted: the
+    device path's windows all hold tombstones, so no device match, while pages 11 and
+    12 stay host-only; 6 full slots free."""
+    s = H.load_back(hosted(), deep(10), tuple(range(10)), (0, 1, 2, 3))
+    s, _ = H.evict_swa(s, 1, [deep(9)])
+    key = Key((20,) * 6)
+    return H.insert(H.alloc(s, key, 0, tuple(range(10, 16)), tuple(range(4, 10))), key,
+                    tuple(range(10, 16)), 0)[0]
+
+
+def test_the_anchors_device_path_is_locked_past_the_device_match() -> None:
+    """Page 10 is a full leaf on the device, past the device match (none) on PATH's path:
+    the load's lock of its anchor holds it (unified_radix_cache.py:1833), so its
+    eviction may take OTHER's leaf and not page 10."""
+    s = replace(partly_loaded(), full_free=frozenset())
+    plan = plan_for_key(s, PATH)
+    assert (plan.device_end, plan.full, plan.full_short(s)) == (None, (deep(11), PATH), 2)
+    with pytest.raises(IllegalChoice, match="may not be taken now"):
+        evicted_for_load(s, plan, [deep(10)], 1, 0)
+    state, goes_on = evicted_for_load(s, plan, [Key((20,) * 6), Key((20,) * 5)], 2, 0)
+    assert goes_on and deep(10) in state.pages and state.pages[deep(10)].lock == 0
+
+
+def test_a_live_page_of_the_anchors_window_past_the_device_match_is_named() -> None:
+    """Page 10 is live in the anchor's window and in no device match's: SGLang's lock of
+    the anchor holds its SWA KV, which no lock of the model can; the machine does not
+    make such a load short of slots."""
+    s = partly_loaded()
+    assert window_held_past_match(s, plan_for_key(s, PATH)) == [deep(10)]
+    assert window_held_past_match(crowded(), plan_for_key(crowded(), PATH)) == []

@@ -39,7 +39,8 @@ class HybridCampaign(ComponentCampaign):
     reach_when = (("scheduled_examples", REACH_SCHEDULED),
                   ("alloc_evicting_examples", ("evict_for_alloc",)),
                   ("host_checks", ("host_pages_seen", "host_matches", "host_hits",
-                                   "load_backs", "load_backs_swa_only")),
+                                   "load_backs", "load_backs_swa_only",
+                                   "load_backs_evicting")),
                   ("host_deviation_checks", ("host_deviations_met",)))
 
 

@@ -13,14 +13,16 @@ machine then compares the whole two-tier state with the model's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hiradix.conformance.host_judge import HostTier
 from hiradix_model import Key
 from hiradix_model import hybrid as model
-from hiradix_model.errors import PreconditionError
+from hiradix_model.errors import IllegalChoice, PreconditionError
 from hiradix_model.hybrid import SwaState
 from hiradix_model.hybrid.state import root_path
+from hiradix_model.keys import page_keys
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,16 @@ class LoadPlan:
         ps = state.config.page_size
         return (ps * len(self.full) <= len(state.full_free)
                 and ps * (len(self.swa) + len(self.beyond)) <= len(state.swa_free))
+
+    def full_short(self, state: SwaState) -> int:
+        """The full tokens the load must evict first (SGLang's ``_load_back_transfers``
+        evicts the shortfall, unified_radix_cache.py:1901-1908)."""
+        return max(0, state.config.page_size * len(self.full) - len(state.full_free))
+
+    def swa_tokens(self, state: SwaState, extra: int) -> int:
+        """The SWA slots the load allocates where DEV-H12 adds ``extra`` pages of
+        ``beyond`` (its SWA walk covers whole nodes, components/swa.py:1170-1203)."""
+        return state.config.page_size * (len(self.swa) + extra)
 
 
 def plan_for_key(state: SwaState, key: Key) -> LoadPlan:
@@ -145,3 +157,63 @@ def _whole_node_swa(before: SwaState, plan: LoadPlan, after: SwaState,
 
 HOST_TIER: HostTier[SwaState] = HostTier(
     ("host", "host_full_free", "host_swa_free", "host_full_kv", "host_swa_kv"))
+
+
+def path_end(state: SwaState, plan: LoadPlan) -> Key | None:
+    """The deepest page on the anchor's path that is on the device (None: none is)."""
+    assert plan.anchor is not None  # a load short of slots has pages to load
+    on_device = [k for k in page_keys(plan.anchor, state.config.page_size) if k in state.pages]
+    return on_device[-1] if on_device else None
+
+
+def window_held_past_match(state: SwaState, plan: LoadPlan) -> list[Key]:
+    """The live device pages of the anchor's window outside the device match's. SGLang's
+    lock of the anchor holds their SWA KV (it counts the window's nodes, tombstones and
+    host-only ones included, components/swa.py:849-901); no lock of the model can hold a
+    window that is not live, so a load short of slots with such pages is not judged."""
+    assert plan.anchor is not None
+    held = set(model.window(state, plan.device_end)) if plan.device_end is not None else set()
+    return [k for k in model.window(state, plan.anchor)
+            if k in state.pages and state.pages[k].live and k not in held]
+
+
+def evicted_for_load(device: SwaState, plan: LoadPlan, victims: Sequence[Key], split: int,
+                     extra: int, *, enough: bool = True) -> tuple[SwaState, bool]:
+    """The device tier ``device`` after the evictions a load back short of slots makes,
+    of ``victims`` in order, and whether the load goes on; ``extra``: the DEV-H12 pages
+    the load's SWA transfer adds.
+
+    What is locked meanwhile: the device match with its window (the scheduler's
+    ``_lock_node(req.last_node)``, schedule_policy.py:1431) and the anchor's device path
+    (the scheduler's lock of the best match, :1475, and the load's own,
+    unified_radix_cache.py:1833), up to ``path_end``, which may lie past the device match:
+    in the model ``inc_lock_ref`` of the one and ``inc_path_lock`` of the other (the SWA
+    part of the anchor's lock adds nothing where ``window_held_past_match`` is empty).
+    Then, as SGLang: the full shortfall's ``evict_for_alloc`` (the first ``split``
+    victims, :1901-1904), the load called off if the full pool is still short
+    (:1905-1908); then the SWA transfer's allocation, short of room, evicts its SWA
+    shortfall (the rest, ``_evict_swa_for_device_alloc``, hybrid_pool_assembler.py:62-68,
+    from hybrid_cache_controller.py:1884-1887), the load called off if the SWA pool is
+    still short (:1888-1891). ``IllegalChoice`` where the model refuses the victims."""
+    if not 0 <= split <= len(victims):
+        raise IllegalChoice(f"split {split} outside the {len(victims)} victims")
+    end = path_end(device, plan)
+    locked = model.inc_path_lock(model.inc_lock_ref(device, plan.device_end), end)
+    full_need = plan.full_short(device)
+    state, freed = model.evict_for_alloc(locked, full_need, 0, victims[:split], split)
+    goes_on = freed >= full_need
+    if not goes_on and split < len(victims):
+        raise IllegalChoice(f"the load was called off short of {full_need - freed} full "
+                            "slots, yet its SWA walk took pages")
+    if goes_on:
+        swa = plan.swa_tokens(device, extra)
+        state, _ = model.evict_for_alloc(state, 0, max(0, swa - len(state.swa_free)),
+                                         victims[split:], 0, enough=enough)
+        goes_on = len(state.swa_free) >= swa
+    return model.dec_lock_ref(model.dec_lock_ref(state, end, True), plan.device_end,
+                              False), goes_on
+
+
+def called_off(plan: LoadPlan) -> LoadPlan:
+    """``plan`` with nothing to load: what a load called off for want of room did."""
+    return replace(plan, full=(), swa=(), beyond=())

@@ -58,9 +58,13 @@ from hiradix.conformance.hybrid.engine import (
 )
 from hiradix.conformance.hybrid.load_back import (
     HOST_TIER,
+    LoadPlan,
+    called_off,
     dev_h12_pages,
+    evicted_for_load,
     expected_load,
     plan_for_key,
+    window_held_past_match,
 )
 from hiradix.conformance.victims import (
     MAX_INTERLEAVINGS,
@@ -222,6 +226,16 @@ def describe_pages(state: SwaState) -> str:
                     for k, p in sorted(state.pages.items(), key=lambda i: i[0].tokens))
 
 
+def describe_host(state: SwaState | None) -> str:
+    """Each page with a host copy: its tokens, with a full and an SWA host copy or not
+    (F/f, S/s); empty without a host tier."""
+    if state is None:
+        return ""
+    return "; host: " + " ".join(
+        f"{k.tokens}{'F' if p.full else 'f'}{'S' if p.swa else 's'}"
+        for k, p in sorted(state.host.items(), key=lambda i: i[0].tokens))
+
+
 def taken_pages(before: SwaState, after: SwaState) -> list[set[Key]]:
     """The pages an eviction tombstoned, and those it deleted."""
     return [{k for k, p in before.pages.items()
@@ -260,6 +274,56 @@ def joint_orders(chains: list[list[Key]], before: SwaState, after: SwaState, ful
                 yield took, False
 
     yield from guided_orders(chains, (before, True), step)
+
+
+def evicting_load(device: SwaState, plan: LoadPlan, after: SwaState, made: bool,
+                  node_locks: bool) -> tuple[SwaState, LoadPlan, list[Key]]:
+    """The device tier a load back short of slots loaded into, what it loaded, and the
+    victims: ``device`` after the evictions it made first (``load_back.evicted_for_load``),
+    the victims read off the engine's state ``after`` the load (the pages it tombstoned or
+    deleted, the loaded ones aside), split between its full and its SWA walk, with as
+    many DEV-H12 pages as it loaded (any number where it ``made`` no load); the plan
+    called off where the evictions freed too little. ``AssertionError`` where no order
+    and split of the victims is one the model accepts, or where the model's evictions
+    disagree with the engine on whether the load was made."""
+    loads = {*plan.full, *plan.swa, *plan.beyond}
+    extras = ([len(dev_h12_pages(device, plan, after))] if made
+              else list(range(len(plan.beyond) + 1)))
+
+    def same_but_the_load(outcome: tuple[SwaState, bool]) -> bool:
+        state, goes_on = outcome
+        return goes_on == made and (
+            {k: p.live for k, p in state.pages.items() if k not in loads}
+            == {k: p.live for k, p in after.pages.items() if k not in loads})
+
+    def evicted(victims: list[Key]) -> tuple[tuple[SwaState, bool], int]:
+        objections: list[str] = []
+        outcome: tuple[SwaState, bool] | None = None
+        for split in range(len(victims) + 1):
+            for extra in extras:
+                try:
+                    outcome = evicted_for_load(device, plan, victims, split, extra,
+                                               enough=not node_locks)
+                except IllegalChoice as illegal:
+                    objections.append(f"split {split}: {illegal}")
+                    continue
+                if same_but_the_load(outcome):
+                    return outcome, 0
+        if outcome is None:
+            raise IllegalChoice("; ".join(objections))
+        return outcome, 0
+
+    chains = victim_chains(taken_pages(device, after), device.config.page_size)
+    try:
+        (state, goes_on), _, victims = accepted_order(chains, evicted, same_but_the_load)
+    except NoOrder as refused:
+        raise AssertionError(
+            f"load back to {plan.anchor}, short of {plan.full_short(device)} full slots "
+            f"({len(device.swa_free)} SWA slots free for {len(plan.swa)} pages and up to "
+            f"{len(plan.beyond)} more), the engine {'made' if made else 'called off'} "
+            f"the load: its eviction {refused}; before it: "
+            f"{describe_pages(device)}") from None
+    return state, (plan if goes_on else called_off(plan)), victims
 
 
 def make_swa_machine(build: Build, config: SwaConfig,
@@ -354,7 +418,7 @@ def make_swa_machine(build: Build, config: SwaConfig,
 
         # -- evictions ------------------------------------------------------------------
         def evict(self, pool: str, num_tokens: int) -> None:
-            before = self.model
+            before, tiers = self.model, self.host_state()
             freed = (self.engine.evict_full if pool == "full" else self.engine.evict_swa)(
                 num_tokens)
             after = abstract(self.engine.observe(), config, self.codes)
@@ -369,7 +433,9 @@ def make_swa_machine(build: Build, config: SwaConfig,
                 state, want, victims = accepted_order(
                     chains, model_evict, lambda state: same_pages(state, after))
             except NoOrder as refused:
-                raise AssertionError(f"evict_{pool}({num_tokens}) = {freed} {refused}") from None
+                raise AssertionError(f"evict_{pool}({num_tokens}) = {freed} {refused}; "
+                                     f"before it: {describe_pages(before)}"
+                                     f"{describe_host(tiers)}") from None
             self.model = state
             seen[f"evict_{pool}"] += 1
             seen["victims"] += len(victims)
@@ -464,8 +530,12 @@ def make_swa_machine(build: Build, config: SwaConfig,
             SWA host copy's tokens and ``tail``): matched, then loaded back as its server
             does; the engine's state
             after it must be 13.8a's ``load_back`` of what the match reached, into the
-            device slots the engine chose. A load that would need an eviction first is
-            not made (the machine cannot yet tell the two apart)."""
+            device slots the engine chose. A load short of free slots in either pool
+            evicts first, as the server's does (``evicting_load``), judged where the
+            engine evicts as its allocator does; not made where the anchor's window
+            holds live device pages the device match's does not
+            (``window_held_past_match``), nor where a device page has no host copy
+            (write-back backs victims up as it evicts them)."""
             assert self.loader is not None
             engine_before = self.host_state()
             assert engine_before is not None
@@ -476,18 +546,35 @@ def make_swa_machine(build: Build, config: SwaConfig,
             if not hosted:
                 seen["load_back_nothing_hosted"] += 1
                 return
-            key = Key(data.draw(st.sampled_from(hosted)).tokens + tail)
+            self.load_back_of(Key(data.draw(st.sampled_from(hosted)).tokens + tail))
+
+        def load_back_of(self, key: Key) -> None:
+            """The ``load_back`` rule's request for ``key``: matched, loaded back, judged."""
+            assert self.loader is not None
             self.match(key)  # judged on both tiers as any match
             engine_before = self.host_state()
             assert engine_before is not None
             before = HOST_TIER.two_tier(self.model, engine_before)
             plan = plan_for_key(before, key)
-            if not plan.fits(before):
+            evicting = not plan.fits(before)
+            if evicting and self.alloc_evicting is None:
                 seen["load_back_pools_short"] += 1
+                return
+            if evicting and window_held_past_match(before, plan):
+                seen["load_back_short_window_held_past_match"] += 1
+                return
+            if evicting and not before.pages.keys() <= before.host.keys():
+                # Write-back backs victims up as it evicts them, which 13.3's device-tier
+                # eviction does not express.
+                seen["load_back_short_unbacked"] += 1
                 return
             loaded, page = self.loader.load_back()
             engine_after = self.host_state()
             assert engine_after is not None
+            if evicting:
+                device, plan = self.evicted_for_load(plan, engine_after,
+                                                     page != plan.device_end)
+                before = HOST_TIER.two_tier(device, engine_before)
             expected, problems = expected_load(before, plan, loaded, page, engine_after)
             problems += state_problems(engine_after, expected, self.node_locks)
             problems += HOST_TIER.problems(engine_after, expected)
@@ -501,6 +588,16 @@ def make_swa_machine(build: Build, config: SwaConfig,
             seen["load_backs_swa_only"] += bool(plan.swa) and not plan.full
             seen["load_back_dev_h12_pages"] += len(dev_h12_pages(before, plan, engine_after))
             self.check("load_back")
+
+        def evicted_for_load(self, plan: LoadPlan, after: SwaState, made: bool
+                             ) -> tuple[SwaState, LoadPlan]:
+            """``evicting_load`` from the machine's device model, counted."""
+            state, plan_made, victims = evicting_load(self.model, plan, after, made,
+                                                      self.node_locks)
+            seen["load_backs_evicting"] += 1
+            seen["load_back_victims"] += len(victims)
+            seen["load_backs_called_off"] += plan_made != plan
+            return state, plan_made
 
         @rule(ids=tokens, past=st.integers(0, 16), keep=st.booleans())
         def serve(self, ids: tuple[int, ...], past: int, keep: bool) -> None:

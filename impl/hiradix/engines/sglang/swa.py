@@ -452,9 +452,13 @@ class SglangSwaAdapter:
     lock_granularity: LockGranularity = "node"
 
     def __init__(self, config: SwaConfig, hicache: WritePolicy | None = None,
-                 req_rows: int = 0, max_context_len: int = 0) -> None:
+                 req_rows: int = 0, max_context_len: int = 0,
+                 hicache_ratio: float = HICACHE_RATIO) -> None:
         if hicache is not None and hicache not in WRITE_POLICIES:
             raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {hicache!r}")
+        if not (isinstance(hicache_ratio, float) and hicache_ratio >= 1.0):
+            raise ValueError(f"{NAME}: hicache_ratio must be a float >= 1.0, got "
+                             f"{hicache_ratio!r}")
         self.hicache = hicache
         self._host_match: tuple[Key | None, int] | None = None  # the last match's, HiCache
         self._match: Any = None  # the last match's MatchResult, for ``load_back``
@@ -492,7 +496,7 @@ class SglangSwaAdapter:
             # ``patch_for_cpu``), the layout whose transfers those stand-ins cover.
             args = self.m["args"].ServerArgs(
                 model_path="dummy", device="cpu", page_size=ps, enable_hierarchical_cache=True,
-                hicache_ratio=HICACHE_RATIO, hicache_size=0, hicache_mem_layout="layer_first",
+                hicache_ratio=hicache_ratio, hicache_size=0, hicache_mem_layout="layer_first",
                 hicache_write_policy=hicache, hicache_io_backend="direct",
                 hicache_storage_backend=None, radix_eviction_policy="lru")
             self.m["context"].publish(args, role="test")
@@ -999,14 +1003,16 @@ def build(config: SwaConfig) -> SglangSwaAdapter:
     return SglangSwaAdapter(config, req_rows=REQ_ROWS, max_context_len=MAX_CONTEXT)
 
 
-def build_hicache(policy: WritePolicy) -> Callable[[SwaConfig], SglangSwaAdapter]:
-    """The builder of ``SglangSwaAdapter``s with HiCache under ``policy``."""
+def build_hicache(policy: WritePolicy, hicache_ratio: float = HICACHE_RATIO,
+                  ) -> Callable[[SwaConfig], SglangSwaAdapter]:
+    """The builder of ``SglangSwaAdapter``s with HiCache under ``policy``, host pools
+    ``hicache_ratio`` times the device pools' size."""
     if policy not in WRITE_POLICIES:
         raise ValueError(f"{NAME}: hicache must be one of {WRITE_POLICIES}, got {policy!r}")
 
     def build_with(config: SwaConfig) -> SglangSwaAdapter:
         return SglangSwaAdapter(config, hicache=policy, req_rows=REQ_ROWS,
-                                max_context_len=MAX_CONTEXT)
+                                max_context_len=MAX_CONTEXT, hicache_ratio=hicache_ratio)
     return build_with
 
 
