@@ -1,12 +1,21 @@
 """An allocation's eviction over more interleavings than the checker tries one by one
 (spec/13 13.3 ``evict_for_alloc``; ``conformance/hybrid/machine.py`` ``joint_orders``):
-the order SGLang 0.5.23 took, met by CI's SWA write-through campaign, is found."""
+the order SGLang 0.5.23 took, met by CI's SWA write-through campaign, is found; and a
+standalone SWA eviction whose walk interleaves its chains (``judged_eviction``)."""
 
 from __future__ import annotations
 
-from hiradix.conformance.hybrid.machine import joint_orders, taken_pages
+import pytest
+
+from hiradix.conformance.hybrid.machine import (
+    joint_orders,
+    judged_eviction,
+    same_pages,
+    taken_pages,
+)
 from hiradix.conformance.victims import (
     MAX_INTERLEAVINGS,
+    NoOrder,
     accepted_order,
     interleavings,
     victim_chains,
@@ -67,3 +76,34 @@ def test_the_interleaved_order_sglang_took_is_found() -> None:
     state, freed, _ = accepted_order(chains, evict, lambda s: s.pages == after.pages,
                                      lambda c: joint_orders(c, start, after, 6, False))
     assert state == after and freed == 7
+
+
+# ---- a standalone SWA eviction whose walk deletes a leaf inside a chain of tombstones ----
+
+def walked_into_a_chain() -> tuple[SwaState, SwaState, list[Key]]:
+    """What a write-through campaign met (seed 103, W = 3): pages (1,) (a tombstone),
+    (1,3), (1,3,1) (one node), (1,3,1,1), (1,3,1,1,1), and (2,) locked; SGLang's SWA walk
+    for 3 tokens tombstoned (1,3,1,1) (inner: its child still on the device), deleted
+    the leaf (1,3,1,1,1), then tombstoned the node above (inner: the tombstone below
+    keeps its full KV). The state before, the engine's after it, its order."""
+    config = H.SwaConfig(page_size=1, full_slots=10, swa_slots=5, window=3)
+    key, locked = Key((1, 3, 1, 1, 1)), Key((2,))
+    s = H.alloc(H.initial(config), key, 0, (0, 1, 2, 3, 4), (0, 1, 2, 3, 4))
+    s, _ = H.insert(H.free_swa(s, (0,)), key, (0, 1, 2, 3, 4), 1)
+    s = H.alloc(s, locked, 0, (5,), (0,))
+    s, _ = H.insert(s, locked, (5,), 0)
+    s = H.inc_lock_ref(s, locked)
+    order = [Key((1, 3, 1, 1)), key, Key((1, 3, 1)), Key((1, 3))]
+    after, freed = H.evict_swa(s, 3, order)
+    assert freed == 4 and key not in after.pages and not after.pages[Key((1, 3))].live
+    return s, after, order
+
+
+def test_a_standalone_swa_eviction_may_interleave_its_chains() -> None:
+    start, after, order = walked_into_a_chain()
+    state, freed, victims = judged_eviction(start, after, "swa", 3, False)
+    assert (state, freed, victims) == (after, 4, order)
+    chains = victim_chains(taken_pages(start, after), 1)
+    with pytest.raises(NoOrder, match="taken after 3 were freed"):  # the chain orders alone
+        accepted_order(chains, lambda v: H.evict_swa(start, 3, v),
+                       lambda s: same_pages(s, after))

@@ -75,6 +75,7 @@ from hiradix.conformance.victims import (
     interleaved_orders,
     interleavings,
     victim_chains,
+    victim_orders,
 )
 from hiradix_model import Key
 from hiradix_model import hybrid as model
@@ -276,6 +277,25 @@ def joint_orders(chains: list[list[Key]], before: SwaState, after: SwaState, ful
     yield from guided_orders(chains, (before, True), step)
 
 
+def judged_eviction(before: SwaState, after: SwaState, pool: str, num_tokens: int,
+                    node_locks: bool) -> tuple[SwaState, int, list[Key]]:
+    """A standalone eviction of ``num_tokens`` from ``pool`` (13.3 ``evict_full`` or
+    ``evict_swa``) that took ``before`` to ``after``: the model's state, what it freed, the
+    victims in an order it accepts; ``NoOrder`` where none is. An SWA walk goes node by
+    node in recency order, so its victims may interleave: it tombstones an inner page,
+    deletes the leaf below it, then reaches the inner page's parent (a chain of
+    tombstones with a deletion inside it, met by a write-through campaign)."""
+    chains = victim_chains(taken_pages(before, after), before.config.page_size)
+
+    def model_evict(victims: list[Key]) -> tuple[SwaState, int]:
+        if pool == "full":
+            return model.evict_full(before, num_tokens, victims)
+        return model.evict_swa(before, num_tokens, victims, enough=not node_locks)
+
+    return accepted_order(chains, model_evict, lambda state: same_pages(state, after),
+                          victim_orders if pool == "full" else interleaved_orders)
+
+
 def evicting_load(device: SwaState, plan: LoadPlan, after: SwaState, made: bool,
                   node_locks: bool) -> tuple[SwaState, LoadPlan, list[Key]]:
     """The device tier a load back short of slots loaded into, what it loaded, and the
@@ -315,7 +335,8 @@ def evicting_load(device: SwaState, plan: LoadPlan, after: SwaState, made: bool,
 
     chains = victim_chains(taken_pages(device, after), device.config.page_size)
     try:
-        (state, goes_on), _, victims = accepted_order(chains, evicted, same_but_the_load)
+        (state, goes_on), _, victims = accepted_order(chains, evicted, same_but_the_load,
+                                                      interleaved_orders)
     except NoOrder as refused:
         raise AssertionError(
             f"load back to {plan.anchor}, short of {plan.full_short(device)} full slots "
@@ -422,16 +443,9 @@ def make_swa_machine(build: Build, config: SwaConfig,
             freed = (self.engine.evict_full if pool == "full" else self.engine.evict_swa)(
                 num_tokens)
             after = abstract(self.engine.observe(), config, self.codes)
-            chains = victim_chains(taken_pages(before, after), config.page_size)
-
-            def model_evict(victims: list[Key]) -> tuple[SwaState, int]:
-                if pool == "full":
-                    return model.evict_full(before, num_tokens, victims)
-                return model.evict_swa(before, num_tokens, victims, enough=not self.node_locks)
-
             try:
-                state, want, victims = accepted_order(
-                    chains, model_evict, lambda state: same_pages(state, after))
+                state, want, victims = judged_eviction(before, after, pool, num_tokens,
+                                                       self.node_locks)
             except NoOrder as refused:
                 raise AssertionError(f"evict_{pool}({num_tokens}) = {freed} {refused}; "
                                      f"before it: {describe_pages(before)}"
