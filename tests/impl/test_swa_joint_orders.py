@@ -78,6 +78,37 @@ def test_the_interleaved_order_sglang_took_is_found() -> None:
     assert state == after and freed == 7
 
 
+def test_a_full_walk_that_ends_inside_a_node_is_found_among_many_orders() -> None:
+    """What a write-through campaign met (seed 301, P = 2): ten tombstone pages, no full
+    slot free; evict_for_alloc(16, 6) took nine, 18 tokens: the eighth page reached the
+    target, the ninth is the rest of its node (the parent of the eighth). Too many
+    interleavings to try one by one; the guided walk must admit the node's rest past
+    the target."""
+    config = H.SwaConfig(page_size=2, full_slots=20, swa_slots=10, window=3)
+    tokens = [(1, 1), (1, 2), (1, 3), (2, 1), (2, 1, 3, 2), (2, 3), (2, 3, 2, 2), (3, 1),
+              (3, 1, 1, 2), (3, 2)]
+    pages = {Key(t): SwaPage(full=(2 * i, 2 * i + 1), swa=None) for i, t in enumerate(tokens)}
+    start = SwaState(config=config, pages=pages, full_free=frozenset(),
+                     swa_free=frozenset(range(10)), held={},
+                     full_kv={s: Key(k.tokens[:len(k.tokens) - 1 + j])
+                              for k, p in pages.items() for j, s in enumerate(p.full)},
+                     swa_kv={})
+    assert H.violations(start) == []
+    order = [Key(t) for t in [(1, 1), (1, 2), (1, 3), (3, 2), (2, 3, 2, 2), (2, 1, 3, 2),
+                              (2, 1), (3, 1, 1, 2), (3, 1)]]
+    after, freed = H.evict_for_alloc(start, 16, 6, order, len(order))
+    assert freed == 18 and set(after.pages) == {Key((2, 3))}
+    chains = victim_chains(taken_pages(start, after), 2)
+    assert interleavings(chains) > MAX_INTERLEAVINGS
+
+    def evict(victims: list[Key]) -> tuple[SwaState, int]:
+        return H.evict_for_alloc(start, 16, 6, victims, len(victims))
+
+    state, freed, _ = accepted_order(chains, evict, lambda s: s.pages == after.pages,
+                                     lambda c: joint_orders(c, start, after, 16, False))
+    assert state == after and freed == 18
+
+
 # ---- a standalone SWA eviction whose walk deletes a leaf inside a chain of tombstones ----
 
 def walked_into_a_chain() -> tuple[SwaState, SwaState, list[Key]]:

@@ -81,7 +81,7 @@ from hiradix_model import Key
 from hiradix_model import hybrid as model
 from hiradix_model.errors import IllegalChoice, PreconditionError
 from hiradix_model.hybrid import SwaConfig, SwaState
-from hiradix_model.keys import content_at
+from hiradix_model.keys import content_at, parent_page
 
 Build = Callable[[SwaConfig], SwaEngine]
 tokens = st.lists(st.integers(1, 3), min_size=1, max_size=16).map(tuple)
@@ -255,26 +255,28 @@ def joint_orders(chains: list[list[Key]], before: SwaState, after: SwaState, ful
     """Orders in which an allocation's eviction (13.3 ``evict_for_alloc``) from ``before``
     may have taken ``chains`` to leave ``after``: every interleaving where they are few
     (``interleaved_orders``), else those the walks' rules admit page by page: the full
-    walk deletes a full leaf while it is short of ``full_need``, the SWA walk takes a
-    live page the way the engine did (tombstoned or deleted)."""
+    walk deletes a full leaf while it is short of ``full_need`` (or the rest of the node
+    it last took: the parent page of its previous victim), the SWA walk takes a live page
+    the way the engine did (tombstoned or deleted)."""
     yield from interleaved_orders(chains)
     if interleavings(chains) <= MAX_INTERLEAVINGS:
         return
     ps = before.config.page_size
 
-    def step(at: tuple[SwaState, bool], page: Key, *_: object,
-             ) -> Iterator[tuple[SwaState, bool]]:
-        state, full_walk = at
-        if full_walk and page not in after.pages \
-                and len(state.full_free) - len(before.full_free) < full_need:
+    def step(at: tuple[SwaState, bool, Key | None], page: Key, *_: object,
+             ) -> Iterator[tuple[SwaState, bool, Key | None]]:
+        state, full_walk, previous = at
+        short = len(state.full_free) - len(before.full_free) < full_need
+        rest = previous is not None and parent_page(previous, ps) == page
+        if full_walk and page not in after.pages and (short or rest):
             with suppress(IllegalChoice):
-                yield model.evict_full(state, ps, [page])[0], True
+                yield model.evict_full(state, ps, [page])[0], True, page
         with suppress(IllegalChoice):
             took, _ = model.evict_swa(state, ps, [page], enough=not node_locks)
             if (page in took.pages) == (page in after.pages):
-                yield took, False
+                yield took, False, page
 
-    yield from guided_orders(chains, (before, True), step)
+    yield from guided_orders(chains, (before, True, None), step)
 
 
 def judged_eviction(before: SwaState, after: SwaState, pool: str, num_tokens: int,
